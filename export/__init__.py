@@ -1,0 +1,1 @@
+"""Export trained proposers in the formats vLLM loads."""

@@ -1,0 +1,118 @@
+"""`speculators export`: a checked checkpoint in vLLM's `mlp_speculator` / `medusa` layout,
+with a model card that says how to load it in each vLLM version."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..models import MODEL_TYPES
+from ..models.base import CONFIG_NAME, CheckpointError, atomic_write_dir
+from ..target import resolve_model_path
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A model directory, or a training run directory (its `final/`, else its latest checkpoint)."""
+    path = Path(path)
+    if (path / CONFIG_NAME).exists():
+        return path
+    if (path / "final" / CONFIG_NAME).exists():
+        return path / "final"
+    latest = path / "checkpoints" / "latest"
+    if latest.exists():
+        return path / "checkpoints" / latest.read_text().strip() / "model"
+    raise CheckpointError(f"no checkpoint at {path} (expected a config.json, a final/ or checkpoints/latest)")
+
+
+def load_speculator(path: str | Path, allow_pickle: bool = False):
+    path = find_checkpoint(path)
+    try:
+        model_type = json.loads((path / CONFIG_NAME).read_text()).get("model_type")
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path / CONFIG_NAME} is not valid JSON ({err})") from None
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(f"{path}: model_type {model_type!r} is not one of {sorted(MODEL_TYPES)}")
+    return MODEL_TYPES[model_type].from_pretrained(path, allow_pickle=allow_pickle)
+
+
+def check_against_target(model, target: str) -> dict:
+    """Vocab, hidden size and architecture of the checkpoint against the target's config."""
+    from transformers import AutoConfig
+
+    path, gguf = resolve_model_path(target)
+    tcfg = AutoConfig.from_pretrained(path, gguf_file=gguf) if gguf else AutoConfig.from_pretrained(path)
+    tcfg = tcfg.get_text_config()
+    c = model.config
+    hidden = c.emb_dim if hasattr(c, "emb_dim") else c.hidden_size
+    if c.vocab_size != tcfg.vocab_size:
+        raise CheckpointError(f"vocab size {c.vocab_size} does not fit the target's {tcfg.vocab_size}; "
+                              f"train the speculator for this target")
+    if hidden != tcfg.hidden_size:
+        raise CheckpointError(f"hidden size {hidden} does not fit the target's {tcfg.hidden_size}; "
+                              f"train the speculator for this target")
+    arch = (tcfg.architectures or ["?"])[0]
+    recorded = c.speculators_target.get("architecture")
+    if recorded and recorded != arch:
+        raise CheckpointError(f"the checkpoint was trained for a {recorded} but the target is a {arch}")
+    return {"architecture": arch, "vocab_size": tcfg.vocab_size, "hidden_size": tcfg.hidden_size}
+
+
+def export(ckpt: str | Path, out: str | Path, target: str | None = None, force: bool = False,
+           dtype: str | None = None, allow_pickle: bool = False) -> Path:
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise CheckpointError(f"{out} is not empty; pass --force to replace it")
+    model = load_speculator(ckpt, allow_pickle)
+    target = target or model.config.speculators_target.get("name")
+    if not target:
+        raise CheckpointError("the checkpoint does not record its target; pass --target")
+    check_against_target(model, target)
+    if dtype:
+        model = model.to(DTYPES[dtype])
+
+    def write(tmp: Path):
+        model.save_pretrained(tmp / "model")
+        for f in (tmp / "model").iterdir():
+            f.rename(tmp / f.name)
+        (tmp / "model").rmdir()
+        (tmp / "README.md").write_text(model_card(model, target, out))
+
+    atomic_write_dir(out, write)
+    return out
+
+
+def model_card(model, target: str, out: Path) -> str:
+    c = model.config
+    kind = c.MODEL_TYPE
+    k = c.n_predict if kind == "mlp_speculator" else c.num_heads
+    d = str(out)
+    lines = [
+        f"# {kind} speculator for {target}",
+        "",
+        f"Trained with `speculators`. {k} heads; target architecture {c.speculators_target.get('architecture')}, "
+        f"vocab {c.vocab_size}.",
+        "",
+        "## Load it in vLLM",
+        "",
+        "| vLLM | how |",
+        "|---|---|",
+        f"| ≤ 0.8.1 (V0) | `LLM(model=TARGET, speculative_model=\"{d}\", num_speculative_tokens={k})` "
+        f"/ `--speculative-model {d} --num-speculative-tokens {k}` |",
+        f"| 0.8.2 – 0.9.2 | `LLM(model=TARGET, speculative_config={{\"model\": \"{d}\", \"num_speculative_tokens\": {k}}})` |",
+    ]
+    if kind == "medusa":
+        lines.append(f"| 0.10 – 0.32 | `speculative_config={{\"method\": \"medusa\", \"model\": \"{d}\", "
+                     f"\"num_speculative_tokens\": {k}}}` (native) |")
+    else:
+        lines.append("| 0.10 – 0.32 | not routed natively: V1 has no `mlp_speculator` method |")
+    lines += [
+        f"| 0.33 | not loadable natively: vLLM 0.33 removed {'Medusa' if kind == 'medusa' else 'MLP speculators'} |",
+        "",
+        "The input is the target's post-final-norm hidden state; drafts are a top-1 chain.",
+        "",
+    ]
+    return "\n".join(lines)

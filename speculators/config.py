@@ -1,0 +1,129 @@
+"""Training recipes: a YAML file of plain values plus `--key=value` overrides, checked strictly."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe that cannot run; the message names the bad key or value."""
+
+
+@dataclass
+class Stage:
+    """One training stage. data: 'dataset' (the recipe's data set) or 'target' (continuations the
+    target generates from the data set's prompts: IBM stage 2 / Medusa self-distillation)."""
+
+    name: str = "stage1"
+    data: str = "dataset"
+    steps: int = 100
+    lr_scale: float = 1.0
+    num_prompts: int = 256  # data: target — prompts to continue
+    prompt_tokens: int = 64  # data: target — IBM: cut dataset text to this many tokens as the prompt
+    gen_tokens: int = 128  # data: target — tokens generated per prompt
+    gen_temperature: float = 1.0  # 0 = greedy (Medusa self-distillation)
+    gen_top_k: int = 10
+
+
+@dataclass
+class TrainConfig:
+    kind: str = "mlp_speculator"  # mlp_speculator | medusa
+    target: str = "smollm2-135m-instruct"
+    target_dtype: str = "bf16"  # bf16 | fp32
+    data: str = "sharegpt"
+    max_samples: int = 4000
+    seq_len: int = 512
+    # proposer shape
+    n_predict: int = 3
+    inner_dim: int = 0
+    tie_weights: bool = False
+    scale_input: bool = True
+    init_from_target: bool = True  # start embeddings / lm heads from the target's
+    medusa_layers: int = 1
+    medusa_shared_lm_head: bool = False  # True: the target's frozen lm head (vLLM original_lm_head)
+    # loss
+    divergence: str = "fkl"  # ce | fkl | rkl | jsd | tvd  (ce uses the tokens; the others the target's distribution)
+    beta: float = 0.5
+    temperature: float = 1.0
+    head_weight_decay: float = 1.0  # head i weighs decay**i (Medusa-2 uses 0.8)
+    # optimisation
+    stages: list = field(default_factory=lambda: [{"name": "stage1", "data": "dataset", "steps": 100}])
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    batch_size: int = 16  # sequences per optimizer step, over all processes
+    micro_batch_size: int = 4  # sequences per forward on each process
+    grad_clip: float = 1.0
+    mixed_precision: str = "bf16"  # bf16 | no
+    seed: int = 0
+    # checkpoints and logs
+    output_dir: str = "runs/default"
+    save_every: int = 50
+    report_to: str = "none"  # none | wandb | tensorboard
+    log_every: int = 10
+    eval_prompts: int = 8  # held-out validation prompts (training data) for the in-loop acceptance check
+    eval_k: int = 3
+
+    def __post_init__(self):
+        self.stages = [s if isinstance(s, Stage) else _strict(Stage, s, "stages[]") for s in self.stages]
+        checks = {
+            "kind": ("mlp_speculator", "medusa"),
+            "divergence": ("ce", "fkl", "rkl", "jsd", "tvd"),
+            "target_dtype": ("bf16", "fp32"),
+            "mixed_precision": ("bf16", "no"),
+            "report_to": ("none", "wandb", "tensorboard"),
+        }
+        for key, allowed in checks.items():
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"{key}={getattr(self, key)!r} is not one of {list(allowed)}")
+        for s in self.stages:
+            if s.data not in ("dataset", "target"):
+                raise ConfigError(f"stage {s.name}: data={s.data!r} is not 'dataset' or 'target'")
+        if self.batch_size % self.micro_batch_size:
+            raise ConfigError("batch_size must be a multiple of micro_batch_size")
+
+    @property
+    def total_steps(self) -> int:
+        return sum(s.steps for s in self.stages)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _strict(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown config key(s) {unknown}; known keys: {sorted(known)}")
+    return cls(**data)
+
+
+def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
+    """Recipe file, then `--key=value` / `--key value` overrides (values parsed as YAML)."""
+    data = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the recipe must be a YAML mapping")
+    i = 0
+    while i < len(overrides):
+        arg = overrides[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --key=value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(overrides):
+                raise ConfigError(f"--{key} needs a value")
+            value, i = overrides[i + 1], i + 1
+        data[key.replace("-", "_")] = yaml.safe_load(value)
+        i += 1
+    return _strict(TrainConfig, data, path or "command line")

@@ -1,0 +1,123 @@
+"""What every proposer shares: a JSON config and safetensors save/load with strict checks.
+
+`save_pretrained` writes the exact tensor names vLLM loads (each model maps its
+parameters to those names explicitly), so a training checkpoint is already in
+vLLM's layout; `speculators export` validates it against the target and adds
+the model card.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says what is wrong and how to fix it."""
+
+
+def config_from_dict(cls, data: dict, source: str):
+    """Build a config dataclass, refusing keys it does not know."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    data = {k: v for k, v in data.items() if k not in cls.IGNORED_KEYS}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise CheckpointError(f"{source}: unknown config key(s) {unknown}; known keys are {sorted(fields)}")
+    return cls(**data)
+
+
+def read_safetensors(path: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Load a weight file; pickles are refused unless the caller opts in."""
+    path = Path(path)
+    if path.suffix in (".bin", ".pt", ".pth", ".ckpt"):
+        if not allow_pickle:
+            raise CheckpointError(
+                f"{path} is a pickle checkpoint, which can run arbitrary code when loaded; "
+                f"convert it to safetensors or pass --allow-pickle if you trust it"
+            )
+        return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({err}); it may be truncated or corrupt") from None
+
+
+def atomic_write_dir(out_dir: Path, write) -> None:
+    """Run write(tmp_dir) then rename into place, so a crash never leaves half a checkpoint."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=False)
+    write(tmp)
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        out_dir.rename(old)
+        tmp.rename(out_dir)
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    else:
+        tmp.rename(out_dir)
+
+
+class SpeculatorModel(nn.Module):
+    """Base for proposers that read the target's post-final-norm hidden states."""
+
+    config_class = None  # a dataclass with MODEL_TYPE, IGNORED_KEYS and to_json()
+
+    def vllm_state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        def write(tmp: Path):
+            tensors = {k: v.detach().contiguous().cpu() for k, v in self.vllm_state_dict().items()}
+            save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            (tmp / CONFIG_NAME).write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
+
+        atomic_write_dir(Path(out_dir), write)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, allow_pickle: bool = False):
+        path = Path(path)
+        config_file = path / CONFIG_NAME
+        if not config_file.exists():
+            raise CheckpointError(f"{path} has no {CONFIG_NAME}; give a directory written by speculators")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{config_file} is not valid JSON ({err})") from None
+        config = config_from_dict(cls.config_class, raw, str(config_file))
+        weights = path / WEIGHTS_NAME
+        if not weights.exists():
+            pickles = [p for p in (path / "pytorch_model.bin", path / "model.pt") if p.exists()]
+            if not pickles:
+                raise CheckpointError(f"{path} has no {WEIGHTS_NAME}")
+            weights = pickles[0]
+        model = cls(config)
+        model.load_vllm_state_dict(read_safetensors(weights, allow_pickle))
+        return model
+
+    def _check_and_copy(self, tensors: dict[str, torch.Tensor], expected: dict[str, nn.Parameter | torch.Tensor]):
+        missing = sorted(set(expected) - set(tensors))
+        if missing:
+            raise CheckpointError(f"checkpoint lacks tensors {missing[:4]}{'...' if len(missing) > 4 else ''}")
+        with torch.no_grad():
+            for name, dst in expected.items():
+                src = tensors[name]
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise CheckpointError(
+                        f"tensor {name} has shape {tuple(src.shape)} but the config implies {tuple(dst.shape)}"
+                    )
+                dst.copy_(src)

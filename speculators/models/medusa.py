@@ -1,0 +1,110 @@
+"""Medusa heads, as vLLM's `medusa` loader computes them.
+
+Head h reads the target's post-final-norm hidden state h_t and predicts token t+h+2:
+
+    x = h_t;  for each ResBlock layer: x = x + SiLU(layer(x))   (Linear with bias)
+    logits_h = lm_head_h(x)        # per-head lm head, or the target's frozen one shared
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import SpeculatorModel
+
+
+@dataclass
+class MedusaConfig:
+    """Fields as vLLM's MedusaConfig. Never add keys containing both "num" and "heads" (or
+    "num" and "layers") here: vLLM renames them to num_heads / num_hidden_layers."""
+
+    MODEL_TYPE = "medusa"
+    IGNORED_KEYS = ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version")
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_hidden_layers: int = 1  # ResBlocks per head
+    truncated_vocab_size: int | None = None
+    medusa_fc_bias: bool = True
+    logit_scale: float = 1.0
+    original_lm_head: bool = False  # True: one shared lm head (the target's, frozen)
+    speculators_target: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.truncated_vocab_size is None:
+            self.truncated_vocab_size = self.vocab_size
+
+    def to_json(self) -> dict:
+        return {"architectures": ["MedusaModel"], "model_type": self.MODEL_TYPE, **asdict(self)}
+
+
+class ResBlockStack(nn.Module):
+    def __init__(self, hidden: int, n_layers: int, bias: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden, bias=bias) for _ in range(n_layers))
+        for layer in self.layers:  # zero init: each head starts as the identity on h_t
+            nn.init.zeros_(layer.weight)
+            if bias:
+                nn.init.zeros_(layer.bias)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+class Medusa(SpeculatorModel):
+    config_class = MedusaConfig
+
+    def __init__(self, config: MedusaConfig):
+        super().__init__()
+        self.config = c = config
+        self.blocks = nn.ModuleList(
+            ResBlockStack(c.hidden_size, c.num_hidden_layers, c.medusa_fc_bias) for _ in range(c.num_heads)
+        )
+        n_lm = 1 if c.original_lm_head else c.num_heads
+        self.lm_heads = nn.ModuleList(nn.Linear(c.hidden_size, c.vocab_size, bias=False) for _ in range(n_lm))
+        if c.original_lm_head:
+            self.lm_heads.requires_grad_(False)
+
+    def head_weights(self) -> torch.Tensor:
+        """[V, D] when the lm head is shared, else [num_heads, V, D]."""
+        if self.config.original_lm_head:
+            return self.lm_heads[0].weight
+        return torch.stack([h.weight for h in self.lm_heads])
+
+    def lm_head(self, h: int) -> nn.Linear:
+        return self.lm_heads[0 if self.config.original_lm_head else h]
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Head states [num_heads, B, T, D]; head h at position t predicts token t+h+2."""
+        return torch.stack([block(hidden) for block in self.blocks])
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """Top-1 chain of k drafts [B, k] (vLLM's V1 Medusa proposer); `tokens` is unused."""
+        scale = self.config.logit_scale
+        return torch.stack([(self.lm_head(h)(self.blocks[h](hidden)) * scale).argmax(-1) for h in range(k)], dim=1)
+
+    def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        with torch.no_grad():
+            for head in self.lm_heads:
+                head.weight.copy_(lm_head)
+
+    # vLLM names: blocks.{h}.layers.{l}.weight/.bias, lm_heads.{h}.weight, or lm_head.weight if shared
+    def vllm_state_dict(self) -> dict[str, torch.Tensor]:
+        sd = {k: v for k, v in self.state_dict().items() if k.startswith("blocks.")}
+        if self.config.original_lm_head:
+            sd["lm_head.weight"] = self.lm_heads[0].weight.data
+        else:
+            sd.update({f"lm_heads.{h}.weight": m.weight.data for h, m in enumerate(self.lm_heads)})
+        return sd
+
+    def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        tensors = {k.replace("medusa_heads.", ""): v for k, v in tensors.items()}
+        self._check_and_copy(tensors, self.vllm_state_dict())

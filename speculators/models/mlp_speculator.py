@@ -1,0 +1,153 @@
+"""IBM's MLP speculator, exactly as vLLM's `mlp_speculator` loader computes it.
+
+Stage i reads a state (stage 0: the target's post-final-norm hidden state h_t) and
+the embedding of the token chosen one step earlier, and predicts token t+i+2:
+
+    s = proj[i](state) + emb[i](tok) * (emb_weight / state_weight)
+    s = GELU(ln[i](s))            # RMS-style norm with weight and bias, exact GELU
+    logits_i = head[i](s);  next stage: state = s, tok = argmax(logits_i)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import SpeculatorModel
+
+EPS = 1e-6
+
+
+@dataclass
+class MLPSpeculatorConfig:
+    """Fields and defaults as vLLM's MLPSpeculatorConfig; `speculators_target` records the target it fits."""
+
+    MODEL_TYPE = "mlp_speculator"
+    IGNORED_KEYS = ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version")
+
+    vocab_size: int
+    emb_dim: int  # the target's hidden size
+    inner_dim: int = 0  # 0 means emb_dim
+    n_predict: int = 3
+    top_k_tokens_per_head: list = field(default_factory=lambda: [5, 4, 3])
+    n_candidates: int = 5
+    tie_weights: bool = False
+    scale_input: bool = False
+    speculators_target: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.inner_dim == 0:
+            self.inner_dim = self.emb_dim
+        if self.tie_weights and self.n_predict < 2:
+            raise ValueError("tie_weights needs n_predict >= 2")
+        if len(self.top_k_tokens_per_head) != self.n_predict:
+            self.top_k_tokens_per_head = (list(self.top_k_tokens_per_head) + [1] * self.n_predict)[: self.n_predict]
+
+    def to_json(self) -> dict:
+        return {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": self.MODEL_TYPE, **asdict(self)}
+
+
+class RMSNormWithBias(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight + bias — no mean subtraction (vLLM's MLPSpeculatorLayerNorm)."""
+
+    def __init__(self, dim: int, affine: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(dim)) if affine else None
+
+    def forward(self, x):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+        return x * self.weight + self.bias if self.weight is not None else x
+
+
+class MLPSpeculator(SpeculatorModel):
+    config_class = MLPSpeculatorConfig
+
+    def __init__(self, config: MLPSpeculatorConfig):
+        super().__init__()
+        self.config = c = config
+        n_emb = 1 if c.tie_weights else c.n_predict
+        n_proj = 2 if c.tie_weights else c.n_predict
+        self.emb = nn.ModuleList(nn.Embedding(c.vocab_size, c.inner_dim) for _ in range(n_emb))
+        self.proj = nn.ModuleList(
+            nn.Linear(c.emb_dim if i == 0 else c.inner_dim, c.inner_dim, bias=False) for i in range(n_proj)
+        )
+        self.ln = nn.ModuleList(RMSNormWithBias(c.inner_dim) for _ in range(n_emb))
+        self.head = nn.ModuleList(nn.Linear(c.inner_dim, c.vocab_size, bias=False) for _ in range(n_emb))
+        self.input_norm = RMSNormWithBias(c.emb_dim, affine=False)
+        self.state_weight = 0.5 ** (0.5 / c.n_predict)
+        self.emb_weight = math.sqrt((1 - self.state_weight**2) * (c.inner_dim / 2))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # IBM's init: unit-variance embeddings and heads scaled to the inner width, so the
+        # state and the token embedding enter each stage at comparable magnitudes.
+        for emb in self.emb:
+            nn.init.normal_(emb.weight, std=1 / math.sqrt(self.config.inner_dim))
+        for lin in [*self.proj, *self.head]:
+            nn.init.normal_(lin.weight, std=1 / math.sqrt(lin.in_features))
+
+    def stage(self, i: int) -> tuple[nn.Embedding, nn.Linear, RMSNormWithBias, nn.Linear]:
+        if self.config.tie_weights:
+            return self.emb[0], self.proj[min(i, 1)], self.ln[0], self.head[0]
+        return self.emb[i], self.proj[i], self.ln[i], self.head[i]
+
+    def head_weights(self) -> torch.Tensor:
+        """[V, inner] when tied, else [n_predict, V, inner] (the layout the fused loss takes)."""
+        if self.config.tie_weights:
+            return self.head[0].weight
+        return torch.stack([h.weight for h in self.head])
+
+    def step(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        emb, proj, ln, _ = self.stage(i)
+        if i == 0 and self.config.scale_input:
+            state = self.input_norm(state) / math.sqrt(2)
+        s = proj(state) + emb(tokens) * (self.emb_weight / self.state_weight)
+        return F.gelu(ln(s))
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced training states [n_predict, B, T, inner].
+
+        hidden[b, t] is the target's state at position t; stage i is fed token t+i+1 and
+        predicts token t+i+2. Positions whose inputs run past the sequence read token 0;
+        the loss masks them out.
+        """
+        states, state = [], hidden
+        for i in range(self.config.n_predict):
+            tokens = F.pad(input_ids[:, i + 1 :], (0, i + 1))
+            state = self.step(i, state, tokens)
+            states.append(state)
+        return torch.stack(states)
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """Greedy chain of k draft tokens [B, k] from hidden [B, D] and the just-sampled tokens [B]."""
+        drafts, state = [], hidden
+        for i in range(k):
+            state = self.step(i, state, tokens)
+            tokens = self.stage(i)[3](state).argmax(-1)
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1)
+
+    def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """Start embeddings and heads from the target's (when inner_dim == hidden size)."""
+        if self.config.inner_dim != embed.shape[1]:
+            raise ValueError("init_from_target needs inner_dim equal to the target's hidden size")
+        with torch.no_grad():
+            for emb in self.emb:
+                emb.weight.copy_(embed)
+            for head in self.head:
+                head.weight.copy_(lm_head)
+
+    # vLLM names: emb.{i}.weight, proj.{i}.weight, ln.{i}.weight/bias, head.{i}.weight
+    def vllm_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("input_norm")}
+
+    def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        # vLLM strips any "speculator." prefix; do the same so fms-extras checkpoints load too.
+        tensors = {k.replace("speculator.", ""): v for k, v in tensors.items()}
+        self._check_and_copy(tensors, dict(self.vllm_state_dict()))

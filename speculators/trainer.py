@@ -1,0 +1,324 @@
+"""Distill an MLP speculator or Medusa heads from a frozen target, with Accelerate.
+
+The target runs online: each micro-batch goes through it once, giving the
+post-final-norm hidden states the heads read and (through its lm head) the
+teacher distribution. Head i at position t predicts token t+i+2, so its teacher
+is the target's prediction at position t+i+1. The loss is the fused multi-head
+linear + divergence op: no [tokens, vocab] logits are ever held.
+
+Data parallelism is exact: every optimizer step takes the same `batch_size`
+sequences however many processes share them, and the loss is normalised by the
+global count of loss tokens, so N processes reproduce one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from datasets import Dataset, load_from_disk
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from .config import ConfigError, Stage, TrainConfig
+from .data import build_dataset, collate
+from .kernels.fused_linear_divergence import fused_linear_divergence
+from .models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculatorConfig
+from .models.base import atomic_write_dir
+from .target import Target
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def build_speculator(cfg: TrainConfig, target: Target):
+    info = {"name": target.name, "architecture": target.architecture, "vocab_size": target.vocab_size,
+            "hidden_size": target.hidden_size}
+    if cfg.kind == "mlp_speculator":
+        model = MLPSpeculator(MLPSpeculatorConfig(
+            vocab_size=target.vocab_size, emb_dim=target.hidden_size, inner_dim=cfg.inner_dim,
+            n_predict=cfg.n_predict, tie_weights=cfg.tie_weights, scale_input=cfg.scale_input,
+            speculators_target=info))
+    else:
+        model = Medusa(MedusaConfig(
+            hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=cfg.n_predict,
+            num_hidden_layers=cfg.medusa_layers, original_lm_head=cfg.medusa_shared_lm_head,
+            speculators_target=info))
+    if cfg.init_from_target or cfg.medusa_shared_lm_head:
+        embed = target.model.get_input_embeddings().weight.float()
+        model.init_from_target(embed, target.lm_head.weight.float())
+    return model
+
+
+def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normalizer: float) -> tuple[torch.Tensor, int]:
+    """(loss / normalizer, number of loss tokens) for one micro-batch."""
+    ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    hidden = target(ids, attn, logits=False).hidden
+    states = model(hidden.to(torch.float32), ids)  # [H, B, T, inner]
+    n_heads, (bsz, seq) = states.shape[0], ids.shape
+    labels, teacher = [], []
+    for i in range(n_heads):
+        # head i at position t: label is token t+i+2, teacher is the target's prediction at t+i+1
+        shift = i + 2
+        lab = torch.full_like(ids, -100)
+        ok = (mask[:, shift:] * attn[:, shift:]).bool()
+        lab[:, : seq - shift] = torch.where(ok, ids[:, shift:], -100)
+        labels.append(lab)
+        teacher.append(torch.nn.functional.pad(hidden[:, i + 1 :], (0, 0, 0, i + 1)))
+    labels = torch.stack(labels).view(n_heads, bsz * seq)
+    head_weights = [cfg.head_weight_decay**i for i in range(n_heads)]
+    use_teacher = cfg.divergence != "ce"
+    loss = fused_linear_divergence(
+        states.reshape(n_heads, bsz * seq, -1),
+        model.head_weights(),
+        teacher_input=torch.stack(teacher).view(n_heads, bsz * seq, -1) if use_teacher else None,
+        teacher_weight=target.lm_head.weight if use_teacher else None,
+        labels=labels,
+        divergence=cfg.divergence,
+        beta=cfg.beta,
+        temperature=cfg.temperature,
+        head_weights=head_weights,
+        reduction="sum",
+    )
+    return loss / normalizer, int((labels != -100).sum())
+
+
+def lr_at(step_in_stage: int, stage: Stage, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to 10% — within each stage, scaled by the stage's lr_scale."""
+    base = cfg.lr * stage.lr_scale
+    warm = min(cfg.warmup_steps, max(stage.steps // 10, 1))
+    if step_in_stage < warm:
+        return base * (step_in_stage + 1) / warm
+    progress = (step_in_stage - warm) / max(stage.steps - warm, 1)
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def target_generated_dataset(target: Target, source: Dataset, stage: Stage, cfg: TrainConfig, rank: int,
+                             world: int) -> Dataset:
+    """Continuations sampled from the target: prompts are the first tokens of dataset rows (IBM stage 2)
+    or, for greedy self-distillation, the same. Each process generates its own share."""
+    pad = target.tokenizer.pad_token_id
+    rows = []
+    g = torch.Generator().manual_seed(cfg.seed + 1000 * rank)
+    picks = torch.randperm(len(source), generator=g)[: stage.num_prompts // world].tolist()
+    bar = tqdm(total=len(picks), desc=f"[{stage.name}] target generates", disable=rank != 0, unit="prompt")
+    for start in range(0, len(picks), 16):
+        prompts = [source[i]["input_ids"][: stage.prompt_tokens] for i in picks[start : start + 16]]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left-pad for generation
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        torch.manual_seed(cfg.seed + 1000 * rank + start)
+        sample = stage.gen_temperature > 0
+        out = target.model.generate(
+            input_ids=ids, attention_mask=attn, max_new_tokens=stage.gen_tokens, do_sample=sample,
+            temperature=stage.gen_temperature if sample else None, top_k=stage.gen_top_k if sample else None,
+            top_p=None, pad_token_id=pad)
+        for p, seq in zip(prompts, out[:, width:].tolist()):
+            gen = seq[: next((j + 1 for j, t in enumerate(seq) if t == target.tokenizer.eos_token_id), len(seq))]
+            rows.append({"input_ids": p + gen, "loss_mask": [0] * len(p) + [1] * len(gen)})
+        bar.update(len(prompts))
+    bar.close()
+    return Dataset.from_list(rows)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, resume: bool = False):
+        self.cfg, self.resume = cfg, resume
+        self.out = Path(cfg.output_dir)
+        self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision,
+                               log_with=None if cfg.report_to == "none" else cfg.report_to,
+                               project_dir=str(self.out))
+        self._check_output_dir()
+        set_seed(cfg.seed)
+        self.target = Target.load(cfg.target, DTYPES[cfg.target_dtype]).to(self.acc.device)
+        self.tokenizer = self.target.tokenizer
+        self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.seq_len, cfg.max_samples, cfg.seed) \
+            if self.acc.is_main_process else None
+        self.acc.wait_for_everyone()
+        if self.dataset is None:
+            self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.seq_len, cfg.max_samples, cfg.seed)
+        model = build_speculator(cfg, self.target)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.model, self.optim = self.acc.prepare(model, optim)
+        self.step = 0
+        if resume:
+            self._load_checkpoint()
+
+    def _check_output_dir(self):
+        ckpts = self.out / "checkpoints"
+        if self.resume:
+            if not (ckpts / "latest").exists():
+                raise ConfigError(f"--resume: no checkpoint in {ckpts}; start without --resume")
+        elif self.out.exists() and any(self.out.iterdir()):
+            raise ConfigError(f"output_dir {self.out} is not empty; pass --resume to continue it or choose another")
+        self.acc.wait_for_everyone()
+
+    @property
+    def unwrapped(self):
+        return self.acc.unwrap_model(self.model)
+
+    def stage_at(self, step: int) -> tuple[int, Stage, int]:
+        start = 0
+        for idx, stage in enumerate(self.cfg.stages):
+            if step < start + stage.steps:
+                return idx, stage, step - start
+            start += stage.steps
+        raise IndexError(step)
+
+    def stage_data(self, idx: int, stage: Stage) -> Dataset:
+        if stage.data == "dataset":
+            return self.dataset
+        # Generated once per process and kept beside the checkpoints, so --resume reuses it.
+        path = self.out / "generated" / f"{stage.name}-rank{self.acc.process_index}"
+        if path.exists():
+            return load_from_disk(str(path))
+        ds = target_generated_dataset(self.target, self.dataset, stage, self.cfg, self.acc.process_index,
+                                      self.acc.num_processes)
+        ds.save_to_disk(str(path))
+        return ds
+
+    def step_rows(self, data: Dataset, stage: Stage, step_in_stage: int, per_process: bool) -> list[dict]:
+        """This process's rows for one optimizer step: a seeded permutation per epoch, the global
+        batch split by rank (dataset stages) or drawn from this process's own generated set."""
+        cfg, world, rank = self.cfg, self.acc.num_processes, self.acc.process_index
+        bsz = cfg.batch_size // world if per_process else cfg.batch_size
+        epoch, offset = divmod(step_in_stage * bsz, len(data))
+        perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+        idx = (perm + perm)[offset : offset + bsz]
+        if not per_process:
+            idx = idx[rank::world]
+        return [data[i] for i in idx]
+
+    def train(self) -> Path:
+        cfg, acc = self.cfg, self.acc
+        if cfg.report_to != "none":
+            if cfg.report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
+                os.environ.setdefault("WANDB_MODE", "offline")
+            acc.init_trackers("speculators", config=cfg.to_dict())
+        micro = cfg.micro_batch_size
+        bar = tqdm(total=cfg.total_steps, initial=self.step, disable=not acc.is_main_process, unit="step",
+                   desc="distill")
+        tokens_seen, t0 = 0, time.perf_counter()
+        data_idx, data = -1, None
+        while self.step < cfg.total_steps:
+            idx, stage, in_stage = self.stage_at(self.step)
+            if idx != data_idx:
+                data_idx, data = idx, self.stage_data(idx, stage)
+            rows = self.step_rows(data, stage, in_stage, per_process=stage.data == "target")
+            batches = [collate(rows[i : i + micro], self.tokenizer.pad_token_id) for i in range(0, len(rows), micro)]
+            # global loss-token count, so every process divides by the same number
+            local = sum(_loss_tokens(b, self.unwrapped) for b in batches)
+            total = acc.reduce(torch.tensor(float(local), device=acc.device), reduction="sum").item()
+            lr = lr_at(in_stage, stage, cfg)
+            for group in self.optim.param_groups:
+                group["lr"] = lr
+            loss_sum = 0.0
+            for j, batch in enumerate(batches):
+                batch = {k: v.to(acc.device) for k, v in batch.items()}
+                sync = j == len(batches) - 1
+                ctx = acc.no_sync(self.model) if not sync else contextlib.nullcontext()
+                with ctx, acc.autocast():
+                    # DDP averages gradients over processes; scaling by world size turns that into a sum.
+                    loss, _ = speculator_loss(self.model, self.target, batch, cfg, max(total, 1.0) / acc.num_processes)
+                    acc.backward(loss)
+                loss_sum += loss.item() / acc.num_processes
+                tokens_seen += int(batch["attention_mask"].sum()) * acc.num_processes
+            grad_norm = acc.clip_grad_norm_(self.model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
+            self.optim.step()
+            self.optim.zero_grad(set_to_none=True)
+            loss_global = acc.reduce(torch.tensor(loss_sum, device=acc.device), reduction="sum").item()
+            self.step += 1
+            self.last_loss = loss_global
+            rate = tokens_seen / (time.perf_counter() - t0)
+            bar.set_postfix(loss=f"{loss_global:.3f}", tok_s=f"{rate:.0f}", lr=f"{lr:.1e}", stage=stage.name)
+            bar.update(1)
+            if self.step % cfg.log_every == 0 or self.step == cfg.total_steps:
+                metrics = {"loss": loss_global, "lr": lr, "tokens_per_s": rate, "stage": idx}
+                if grad_norm is not None:
+                    metrics["grad_norm"] = float(grad_norm)
+                acc.log(metrics, step=self.step)
+                self._history(metrics)
+            if self.step % cfg.save_every == 0 or self.step == cfg.total_steps:
+                self.save_checkpoint()
+        bar.close()
+        final = self.out / "final"
+        if acc.is_main_process:
+            self.unwrapped.save_pretrained(final)
+        acc.wait_for_everyone()
+        acc.end_training()
+        return final
+
+    def _history(self, metrics: dict):
+        if self.acc.is_main_process:
+            with open(self.out / "history.jsonl", "a") as f:
+                f.write(json.dumps({"step": self.step, **metrics}) + "\n")
+
+    # Checkpoints: model (vLLM layout), optimizer state and RNG, all safetensors, written to a
+    # temporary directory and renamed into place; `latest` is replaced atomically last.
+    def save_checkpoint(self):
+        acc = self.acc
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            path = self.out / "checkpoints" / f"step-{self.step:07d}"
+
+            def write(tmp: Path):
+                self.unwrapped.save_pretrained(tmp / "model")
+                tensors, meta = _flatten_optimizer(self.optim.state_dict())
+                tensors["rng.torch"] = torch.get_rng_state()
+                save_file(tensors, str(tmp / "optimizer.safetensors"))
+                (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "optimizer": meta}))
+
+            atomic_write_dir(path, write)
+            latest = self.out / "checkpoints" / "latest"
+            tmp_latest = latest.with_suffix(".tmp")
+            tmp_latest.write_text(path.name)
+            os.replace(tmp_latest, latest)
+        acc.wait_for_everyone()
+
+    def _load_checkpoint(self):
+        ckpts = self.out / "checkpoints"
+        path = ckpts / (ckpts / "latest").read_text().strip()
+        from .models.base import read_safetensors
+
+        model = self.unwrapped
+        model.load_vllm_state_dict(read_safetensors(path / "model" / "model.safetensors"))
+        state = json.loads((path / "trainer_state.json").read_text())
+        tensors = load_file(str(path / "optimizer.safetensors"))
+        torch.set_rng_state(tensors.pop("rng.torch"))
+        self.optim.load_state_dict(_unflatten_optimizer(tensors, state["optimizer"]))
+        self.step = state["step"]
+
+
+def _loss_tokens(batch: dict, model) -> int:
+    """Loss positions summed over heads (head i needs token t+i+2 inside the sequence)."""
+    mask = batch["loss_mask"] * batch["attention_mask"]
+    n_heads = model.config.n_predict if hasattr(model.config, "n_predict") else model.config.num_heads
+    return sum(int(mask[:, i + 2 :].sum()) for i in range(n_heads))
+
+
+def _flatten_optimizer(sd: dict) -> tuple[dict, dict]:
+    tensors, meta = {}, {"param_groups": sd["param_groups"], "state": {}}
+    for pid, st in sd["state"].items():
+        meta["state"][str(pid)] = {}
+        for key, val in st.items():
+            if torch.is_tensor(val):
+                tensors[f"state.{pid}.{key}"] = val.contiguous()
+                meta["state"][str(pid)][key] = "tensor"
+            else:
+                meta["state"][str(pid)][key] = val
+    return tensors, meta
+
+
+def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
+    state = {}
+    for pid, st in meta["state"].items():
+        state[int(pid)] = {k: tensors[f"state.{pid}.{k}"] if v == "tensor" else v for k, v in st.items()}
+    return {"state": state, "param_groups": meta["param_groups"]}
+
