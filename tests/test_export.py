@@ -1,0 +1,104 @@
+"""`speculators export`: vLLM's layout, checks against the target, and every bad input refused
+in one line with a non-zero exit and nothing overwritten."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from speculators.models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculatorConfig
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "speculators.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture
+def mlp_ckpt(tmp_path, tiny_target_dir):
+    torch.manual_seed(0)
+    m = MLPSpeculator(MLPSpeculatorConfig(vocab_size=49152, emb_dim=64, n_predict=3,
+                                          speculators_target={"name": str(tiny_target_dir),
+                                                              "architecture": "LlamaForCausalLM"}))
+    m.save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_export_mlp(tmp_path, mlp_ckpt):
+    proc = run_cli("export", mlp_ckpt, "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    sd = load_file(tmp_path / "out" / "model.safetensors")
+    assert sd["proj.0.weight"].shape == (64, 64) and sd["head.2.weight"].shape == (49152, 64)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["model_type"] == "mlp_speculator" and cfg["emb_dim"] == 64
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "speculative_model=" in card and "speculative_config=" in card
+
+
+def test_export_medusa_bf16(tmp_path, tiny_target_dir):
+    m = Medusa(MedusaConfig(hidden_size=64, vocab_size=49152, num_heads=2,
+                            speculators_target={"name": str(tiny_target_dir)}))
+    m.save_pretrained(tmp_path / "ckpt")
+    assert run_cli("export", tmp_path / "ckpt", "--out", tmp_path / "out", "--dtype", "bf16").returncode == 0
+    sd = load_file(tmp_path / "out" / "model.safetensors")
+    assert sd["lm_heads.1.weight"].dtype == torch.bfloat16
+    assert set(sd) == {"blocks.0.layers.0.weight", "blocks.0.layers.0.bias", "blocks.1.layers.0.weight",
+                       "blocks.1.layers.0.bias", "lm_heads.0.weight", "lm_heads.1.weight"}
+
+
+def test_non_empty_out_needs_force(tmp_path, mlp_ckpt):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    one_line_error(run_cli("export", mlp_ckpt, "--out", out), "not empty", "--force")
+    assert (out / "keep.txt").read_text() == "precious"
+    assert run_cli("export", mlp_ckpt, "--out", out, "--force").returncode == 0
+    assert (out / "model.safetensors").exists()
+
+
+def test_wrong_vocab_and_hidden(tmp_path, tiny_target_dir):
+    for vocab, hidden, msg in [(1000, 64, "vocab size"), (49152, 32, "hidden size")]:
+        m = MLPSpeculator(MLPSpeculatorConfig(vocab_size=vocab, emb_dim=hidden, n_predict=2))
+        m.save_pretrained(tmp_path / f"c{vocab}-{hidden}")
+        one_line_error(run_cli("export", tmp_path / f"c{vocab}-{hidden}", "--out", tmp_path / "o",
+                               "--target", tiny_target_dir), msg)
+        assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_safetensors(tmp_path, mlp_ckpt, damage):
+    f = mlp_ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00garbage" + data[100:])
+    one_line_error(run_cli("export", mlp_ckpt, "--out", tmp_path / "o"), "safetensors")
+
+
+def test_pickle_refused_unless_opted_in(tmp_path, mlp_ckpt):
+    sd = load_file(mlp_ckpt / "model.safetensors")
+    (mlp_ckpt / "model.safetensors").unlink()
+    torch.save(sd, mlp_ckpt / "pytorch_model.bin")
+    one_line_error(run_cli("export", mlp_ckpt, "--out", tmp_path / "o"), "pickle", "--allow-pickle")
+    assert run_cli("export", mlp_ckpt, "--out", tmp_path / "o", "--allow-pickle").returncode == 0
+
+
+def test_unknown_config_key(tmp_path, mlp_ckpt):
+    cfg = json.loads((mlp_ckpt / "config.json").read_text())
+    cfg["n_predikt"] = 3
+    (mlp_ckpt / "config.json").write_text(json.dumps(cfg))
+    one_line_error(run_cli("export", mlp_ckpt, "--out", tmp_path / "o"), "n_predikt")
+
+
+def test_missing_paths(tmp_path, mlp_ckpt):
+    one_line_error(run_cli("export", tmp_path / "nope", "--out", tmp_path / "o"), "no checkpoint")
+    one_line_error(run_cli("export", mlp_ckpt, "--out", tmp_path / "o", "--target", tmp_path / "no-model"),
+                   "model not found")
