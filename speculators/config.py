@@ -58,7 +58,7 @@ class TrainConfig:
     batch_size: int = 16  # sequences per optimizer step, over all processes
     micro_batch_size: int = 4  # sequences per forward on each process
     grad_clip: float = 1.0
-    mixed_precision: str = "bf16"  # bf16 | no
+    mixed_precision: str = "bf16"  # bf16 | fp32 (autocast for the speculator; master weights stay fp32)
     seed: int = 0
     # checkpoints and logs
     output_dir: str = "runs/default"
@@ -74,7 +74,7 @@ class TrainConfig:
             "kind": ("mlp_speculator", "medusa"),
             "divergence": ("ce", "fkl", "rkl", "jsd", "tvd"),
             "target_dtype": ("bf16", "fp32"),
-            "mixed_precision": ("bf16", "no"),
+            "mixed_precision": ("bf16", "fp32"),
             "report_to": ("none", "wandb", "tensorboard"),
         }
         for key, allowed in checks.items():

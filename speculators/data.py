@@ -68,6 +68,18 @@ def to_messages(record: dict) -> list[dict] | None:
     return messages
 
 
+def check_source(source: str) -> None:
+    """Fail fast, before any model loads, on a data source that cannot exist."""
+    if source in EVAL_SETS:
+        raise DataError(f"{source} is an evaluation set; training on it would inflate every reported number")
+    if source == "sharegpt" or Path(source).expanduser().exists():
+        return
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise DataError(f"data set not found: {source} (give 'sharegpt', a local file or a Hub data set name)")
+    if os.environ.get("HF_HUB_OFFLINE", "1") not in ("0", "false", "False"):
+        raise DataError(f"data set {source!r} is not a local file and the Hub is offline (set HF_HUB_OFFLINE=0)")
+
+
 def load_records(source: str) -> tuple[list[dict], str]:
     """(records, kind) where kind is 'chat' (records with messages) or 'text'."""
     if source == "sharegpt":
@@ -92,11 +104,8 @@ def load_records(source: str) -> tuple[list[dict], str]:
             return [{"text": t} for t in path.read_text().split("\n\n") if t.strip()], "text"
         else:
             raise DataError(f"{path}: unsupported data file type {suffix!r} (use .json, .jsonl, .parquet or .txt)")
-    elif source.startswith((".", "/", "~")) or source.count("/") != 1:
-        raise DataError(f"data set not found: {source} (give 'sharegpt', a local file or a Hub data set name)")
     else:
-        if os.environ.get("HF_HUB_OFFLINE", "1") not in ("0", "false", "False"):
-            raise DataError(f"data set {source!r} is not a local file and the Hub is offline (set HF_HUB_OFFLINE=0)")
+        check_source(source)
         rows = load_dataset(source, split="train").to_list()
     chats = [{"messages": m} for r in rows if (m := to_messages(r))]
     if chats:
@@ -135,8 +144,7 @@ def _tokenize_texts(batch, tokenizer, max_len):
 def build_dataset(source: str, tokenizer, max_len: int, max_samples: int | None = None, seed: int = 0,
                   min_tokens: int = 16) -> Dataset:
     """Tokenized training set with columns input_ids and loss_mask, cached on disk."""
-    if source in EVAL_SETS:
-        raise DataError(f"{source} is an evaluation set; training on it would inflate every reported number")
+    check_source(source)
     key = hashlib.sha256(
         json.dumps([source, str(Path(source).stat().st_mtime) if Path(source).exists() else "", tokenizer.name_or_path,
                     len(tokenizer), tokenizer.chat_template or "", max_len, max_samples, seed, min_tokens]).encode()

@@ -46,7 +46,9 @@ def resolve_model_path(name: str) -> tuple[str, str | None]:
 def load_causal_lm(name: str, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) for a causal LM given by alias, directory, GGUF file or Hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a per-tensor bar for a 1-second load is noise
     path, gguf = resolve_model_path(name)
     kwargs = {"gguf_file": gguf} if gguf else {}
     try:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from datasets import Dataset, load_from_disk
@@ -28,11 +29,11 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from .config import ConfigError, Stage, TrainConfig
-from .data import build_dataset, collate
+from .data import build_dataset, check_source, collate
 from .kernels.fused_linear_divergence import fused_linear_divergence
 from .models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculatorConfig
 from .models.base import atomic_write_dir
-from .target import Target
+from .target import Target, resolve_model_path
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -72,20 +73,24 @@ def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normal
         labels.append(lab)
         teacher.append(torch.nn.functional.pad(hidden[:, i + 1 :], (0, 0, 0, i + 1)))
     labels = torch.stack(labels).view(n_heads, bsz * seq)
-    head_weights = [cfg.head_weight_decay**i for i in range(n_heads)]
+    # Only rows some head learns from go into the loss: padding and prompt tokens cost nothing.
+    rows = (labels != -100).any(0).nonzero().squeeze(1)
+    labels = labels[:, rows]
+    student = states.reshape(n_heads, bsz * seq, -1)[:, rows].float()
     use_teacher = cfg.divergence != "ce"
-    loss = fused_linear_divergence(
-        states.reshape(n_heads, bsz * seq, -1),
-        model.head_weights(),
-        teacher_input=torch.stack(teacher).view(n_heads, bsz * seq, -1) if use_teacher else None,
-        teacher_weight=target.lm_head.weight if use_teacher else None,
-        labels=labels,
-        divergence=cfg.divergence,
-        beta=cfg.beta,
-        temperature=cfg.temperature,
-        head_weights=head_weights,
-        reduction="sum",
-    )
+    with torch.autocast(student.device.type, enabled=False):  # the op accumulates in fp32 itself
+        loss = fused_linear_divergence(
+            student,
+            getattr(model, "module", model).head_weights().float(),  # DDP wraps the model in .module
+            teacher_input=torch.stack(teacher).view(n_heads, bsz * seq, -1)[:, rows] if use_teacher else None,
+            teacher_weight=target.lm_head.weight if use_teacher else None,
+            labels=labels,
+            divergence=cfg.divergence,
+            beta=cfg.beta,
+            temperature=cfg.temperature,
+            head_weights=[cfg.head_weight_decay**i for i in range(n_heads)],
+            reduction="sum",
+        )
     return loss / normalizer, int((labels != -100).sum())
 
 
@@ -131,9 +136,11 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False):
         self.cfg, self.resume = cfg, resume
         self.out = Path(cfg.output_dir)
-        self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision,
+        self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if cfg.mixed_precision == "bf16" else "no",
                                log_with=None if cfg.report_to == "none" else cfg.report_to,
                                project_dir=str(self.out))
+        resolve_model_path(cfg.target)
+        check_source(cfg.data)
         self._check_output_dir()
         set_seed(cfg.seed)
         self.target = Target.load(cfg.target, DTYPES[cfg.target_dtype]).to(self.acc.device)
@@ -143,6 +150,9 @@ class Trainer:
         self.acc.wait_for_everyone()
         if self.dataset is None:
             self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.seq_len, cfg.max_samples, cfg.seed)
+        if self.acc.is_main_process:  # only now: bad input above leaves no directory behind
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         model = build_speculator(cfg, self.target)
         params = [p for p in model.parameters() if p.requires_grad]
         optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))

@@ -1,0 +1,113 @@
+"""The trainer on a tiny random target: it learns, resumes exactly, matches one process with two
+DDP processes at the same global batch, and refuses bad input in one line."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+DISTILL = REPO / "train" / "distill.py"
+
+
+def overrides(target, data, out, steps=6, **extra):
+    args = {"target": target, "data": data, "output_dir": out, "max_samples": 24, "seq_len": 96, "batch_size": 4,
+            "micro_batch_size": 2, "stages": f"[{{steps: {steps}}}]", "save_every": 3, "log_every": 1,
+            "mixed_precision": "fp32", "target_dtype": "fp32", "n_predict": 2, "warmup_steps": 1, **extra}
+    return [f"--{k}={v}" for k, v in args.items()]
+
+
+def run(args, launcher=None):
+    cmd = (launcher or [sys.executable]) + [str(DISTILL), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+
+
+def weights(run_dir):
+    return load_file(Path(run_dir) / "final" / "model.safetensors")
+
+
+def train_in_process(args):
+    from speculators.config import load_config
+    from speculators.trainer import Trainer
+
+    return Trainer(load_config(None, args)).train()
+
+
+@pytest.mark.parametrize("kind,divergence", [("mlp_speculator", "fkl"), ("medusa", "ce"), ("mlp_speculator", "tvd")])
+def test_loss_decreases(tmp_path, tiny_target_dir, chat_file, isolated_cache, kind, divergence):
+    out = tmp_path / "run"
+    train_in_process(overrides(tiny_target_dir, chat_file, out, steps=12, kind=kind, divergence=divergence, lr=3e-3))
+    hist = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert hist[-1]["loss"] < 0.9 * hist[0]["loss"], hist
+    assert (out / "final" / "config.json").exists()
+
+
+def test_resume_is_exact(tmp_path, tiny_target_dir, chat_file, isolated_cache):
+    full = tmp_path / "full"
+    train_in_process(overrides(tiny_target_dir, chat_file, full))
+    # Rewind a copy of the run to its step-3 checkpoint, as if it had been killed there.
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "final")
+    shutil.rmtree(part / "checkpoints" / "step-0000006")
+    (part / "checkpoints" / "latest").write_text("step-0000003")
+    from speculators.config import load_config
+    from speculators.trainer import Trainer
+
+    Trainer(load_config(None, overrides(tiny_target_dir, chat_file, part)), resume=True).train()
+    a, b = weights(full), weights(part)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_ddp_matches_single_process(tmp_path, tiny_target_dir, chat_file, isolated_cache):
+    # Tokenize once, so both launches read the same cached set.
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    p1 = run(overrides(tiny_target_dir, chat_file, single, steps=4),
+             [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu"])
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    p2 = run(overrides(tiny_target_dir, chat_file, ddp, steps=4),
+             [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--main_process_port", "29531"])
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    a, b = weights(single), weights(ddp)
+    for name in a:  # only the order of fp32 reductions differs
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+    la = [json.loads(x)["loss"] for x in (single / "history.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (ddp / "history.jsonl").read_text().splitlines()]
+    assert la == pytest.approx(lb, rel=1e-4)
+
+
+def one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("distill: error:"), proc.stderr[-2000:]
+    for n in needles:
+        assert n in errors[0], errors[0]
+
+
+def test_bad_input(tmp_path, tiny_target_dir, chat_file, isolated_cache):
+    out = tmp_path / "run"
+    one_line_error(run(overrides(tiny_target_dir, chat_file, out, lerning_rate=1)), "lerning_rate")
+    one_line_error(run(overrides(tiny_target_dir, tmp_path / "missing.jsonl", out)), "not found")
+    one_line_error(run(overrides(tmp_path / "no-model", chat_file, out)), "model not found")
+    one_line_error(run(["--config", tmp_path / "nope.yaml"]), "config file not found")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    one_line_error(run(overrides(tiny_target_dir, empty, out)), "no usable")
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"text": "hi"}) + "\n")
+    one_line_error(run(overrides(tiny_target_dir, short, out)), "empty")
+    for eval_set in ("mt-bench", "humaneval"):
+        one_line_error(run(overrides(tiny_target_dir, eval_set, out)), "evaluation set")
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    one_line_error(run(overrides(tiny_target_dir, chat_file, out)), "not empty")
+    assert (out / "notes.txt").read_text() == "mine"
+    one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh") + ["--resume"]), "no checkpoint")
