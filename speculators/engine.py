@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .kernels.verification import make_randomness, rejection_sample
+from .kernels.verification import rejection_sample
 from .target import Target
 
 
@@ -70,21 +70,6 @@ class HeadProposer:
         return drafts[0].tolist()
 
 
-def _probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """Target probabilities after temperature, top-k and top-p (used by plain sampling)."""
-    logits = logits.float() / sp.temperature
-    if sp.top_k:
-        kth = logits.topk(sp.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if sp.top_p < 1.0:
-        sorted_p, idx = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > sp.top_p
-        probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
 class SpeculativeDecoder:
     def __init__(self, target: Target, proposer=None, k: int = 3):
         self.target, self.proposer, self.k = target, proposer, k
@@ -136,9 +121,9 @@ class SpeculativeDecoder:
 
     def _verify(self, logits: torch.Tensor, drafts: list[int], sp: SamplingParams, step: int):
         """(emitted tokens, number of accepted drafts) for one request's [n+1, V] logits."""
-        n = len(drafts)
-        draft_tokens = torch.tensor([drafts + [0] * (self.k - n)], dtype=torch.long)[:, : max(self.k, 1)]
-        target_logits = torch.zeros(1, max(self.k, 1) + 1, logits.shape[-1])
+        n, width = len(drafts), max(self.k, 1)
+        draft_tokens = torch.tensor([drafts + [0] * (width - n)], dtype=torch.long)
+        target_logits = logits.new_zeros(1, width + 1, logits.shape[-1], dtype=torch.float32)
         target_logits[0, : n + 1] = logits.float()
         greedy = sp.temperature == 0
         kwargs = {}
@@ -148,7 +133,7 @@ class SpeculativeDecoder:
                 temperature=torch.tensor([sp.temperature]),
                 top_k=torch.tensor([sp.top_k]),
                 top_p=torch.tensor([sp.top_p]),
-                **make_randomness(torch.tensor([sp.seed * 1_000_003 + step]), max(self.k, 1), logits.shape[-1], "cpu"),
+                seeds=torch.tensor([sp.seed * 1_000_003 + step]),
             )
         tokens, n_acc = rejection_sample(target_logits, draft_tokens, torch.tensor([n]), **kwargs)
         n_acc = int(n_acc[0])

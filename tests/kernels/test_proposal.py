@@ -1,0 +1,243 @@
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / the kernels are imported
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speculators.kernels.proposal import (
+    lm_head_topk,
+    lm_head_topk_reference,
+    lm_head_topk_triton,
+    medusa_propose,
+    medusa_propose_reference,
+    medusa_propose_triton,
+    mlp_speculator_propose,
+    mlp_speculator_propose_reference,
+    mlp_speculator_propose_topk,
+    mlp_speculator_propose_topk_reference,
+    mlp_speculator_propose_topk_triton,
+    mlp_speculator_propose_triton,
+    mlp_speculator_scales,
+)
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover
+    HAS_TRITON = False
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+
+def _d(ts):
+    return [t.double() for t in ts]
+
+
+# ----------------------------------------------------------------------------------------
+# lm_head_topk
+# ----------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("B", [1, 4])
+@pytest.mark.parametrize("num_programs", [1, 4])
+def test_lm_head_topk_exact_with_ties(k, B, num_programs):
+    # small integer inputs: every logit is exact in fp32, and ties are frequent
+    g = torch.Generator().manual_seed(k * 10 + B)
+    D, V = 24, 150
+    x = torch.randint(-2, 3, (B, D), generator=g).float()
+    w = torch.randint(-1, 2, (V, D), generator=g).float()
+    for logprobs in (False, True):
+        ref = lm_head_topk_reference(x.double(), w.double(), k, logprobs=logprobs)
+        tri = lm_head_topk_triton(x, w, k, logprobs=logprobs, _num_programs=num_programs)
+        assert torch.equal(tri[1], ref[1]), (tri[1], ref[1])
+        torch.testing.assert_close(tri[0], ref[0], atol=1e-5, rtol=1e-5)
+        assert tri[0].dtype == torch.float32 and tri[1].dtype == torch.int64
+    # ties really occur and go to the lowest index
+    full = (x.double() @ w.double().t())
+    top = full.max(-1).values
+    first = (full == top[:, None]).double().argmax(-1)
+    assert torch.equal(ref[1][:, 0] if k == 1 else lm_head_topk_reference(x, w, 1)[1][:, 0], first)
+
+
+@needs_triton
+def test_lm_head_topk_bf16_and_dispatch():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, generator=g).to(torch.bfloat16)
+    w = torch.randn(97, 40, generator=g).to(torch.bfloat16)
+    ref = lm_head_topk_reference(x.double(), w.double(), 4)
+    tri = lm_head_topk_triton(x, w, 4)
+    assert torch.equal(tri[1], ref[1])
+    torch.testing.assert_close(tri[0], ref[0], atol=1e-4, rtol=1e-4)
+    cpu = lm_head_topk(x.float(), w.float(), 4)  # CPU tensors -> reference
+    assert torch.equal(cpu[1], lm_head_topk_reference(x.float(), w.float(), 4)[1])
+
+
+# ----------------------------------------------------------------------------------------
+# MLP speculator
+# ----------------------------------------------------------------------------------------
+def _mlp_weights(n=3, D=24, inner=32, V=77, tie=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    if tie:
+        e, h, lw, lb = r(V, inner) * 0.5, r(V, inner) / inner**0.5, 1 + 0.1 * r(inner), 0.1 * r(inner)
+        p0, p1 = r(inner, D) / D**0.5, r(inner, inner) / inner**0.5
+        return [e] * n, [p0] + [p1] * (n - 1), [lw] * n, [lb] * n, [h] * n
+    emb = [r(V, inner) * 0.5 for _ in range(n)]
+    proj = [r(inner, D) / D**0.5] + [r(inner, inner) / inner**0.5 for _ in range(n - 1)]
+    lw = [1 + 0.1 * r(inner) for _ in range(n)]
+    lb = [0.1 * r(inner) for _ in range(n)]
+    head = [r(V, inner) / inner**0.5 for _ in range(n)]
+    return emb, proj, lw, lb, head
+
+
+def _manual_mlp_chain(hidden, tokens, emb, proj, lw, lb, head, scale_input):
+    """Straight transcription of the vLLM math (fp64)."""
+    n = len(head)
+    inner = proj[0].shape[0]
+    state_weight = 0.5 ** (0.5 / n)
+    emb_weight = math.sqrt((1 - state_weight**2) * (inner / 2))
+    h = hidden.double()
+    if scale_input:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) / math.sqrt(2)
+    tok = tokens
+    out = []
+    for i in range(n):
+        s = h @ proj[i].double().T + emb[i].double()[tok] * (emb_weight / state_weight)
+        s = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
+        s = F.gelu(s * lw[i].double() + lb[i].double())
+        tok = (s @ head[i].double().T).argmax(-1)
+        out.append(tok)
+        h = s
+    return torch.stack(out, 1)
+
+
+def test_mlp_scales():
+    sw, ew, es = mlp_speculator_scales(3, 32)
+    assert sw == 0.5 ** (0.5 / 3) and ew == math.sqrt((1 - sw**2) * 16) and es == ew / sw
+
+
+@pytest.mark.parametrize("scale_input", [False, True])
+def test_mlp_reference_matches_manual(scale_input):
+    emb, proj, lw, lb, head = _mlp_weights()
+    g = torch.Generator().manual_seed(1)
+    hidden, tokens = torch.randn(4, 24, generator=g) * 3, torch.randint(0, 77, (4,), generator=g)
+    ref = mlp_speculator_propose_reference(hidden.double(), tokens, _d(emb), _d(proj), lw, lb, _d(head), scale_input)
+    assert torch.equal(ref, _manual_mlp_chain(hidden, tokens, emb, proj, lw, lb, head, scale_input))
+    assert torch.equal(mlp_speculator_propose(hidden, tokens, emb, proj, lw, lb, head, scale_input), ref)
+
+
+def test_mlp_reference_matches_model_class():
+    models = pytest.importorskip("speculators.models.mlp_speculator")
+    cfg = models.MLPSpeculatorConfig(vocab_size=77, emb_dim=24, inner_dim=32, n_predict=3, scale_input=True)
+    torch.manual_seed(0)
+    m = models.MLPSpeculator(cfg).double().eval()
+    with torch.no_grad():
+        for ln in m.ln:
+            ln.weight.normal_(1, 0.1)
+            ln.bias.normal_(0, 0.1)
+    g = torch.Generator().manual_seed(2)
+    hidden, tokens = torch.randn(3, 24, generator=g).double(), torch.randint(0, 77, (3,), generator=g)
+    stages = [m.stage(i) for i in range(3)]
+    ours = mlp_speculator_propose_reference(
+        hidden, tokens, [s[0].weight for s in stages], [s[1].weight for s in stages], [s[2].weight for s in stages],
+        [s[2].bias for s in stages], [s[3].weight for s in stages], True,
+    )
+    assert torch.equal(ours, m.propose(hidden, tokens, 3))
+
+
+@needs_triton
+@pytest.mark.parametrize("scale_input", [False, True])
+@pytest.mark.parametrize("tie", [False, True])
+def test_mlp_chain_triton_matches_reference(scale_input, tie):
+    emb, proj, lw, lb, head = _mlp_weights(tie=tie, seed=3)
+    g = torch.Generator().manual_seed(4)
+    B = 4
+    hidden, tokens = torch.randn(B, 24, generator=g) * 2, torch.randint(0, 77, (B,), generator=g)
+    ref = mlp_speculator_propose_reference(hidden.double(), tokens, _d(emb), _d(proj), lw, lb, _d(head), scale_input, 3)
+    tri = mlp_speculator_propose_triton(hidden, tokens, emb, proj, lw, lb, head, scale_input, 3)
+    assert torch.equal(tri[0], ref[0]) and torch.equal(tri[2], ref[2])
+    torch.testing.assert_close(tri[1], ref[1], atol=2e-5, rtol=1e-5)
+    assert torch.equal(tri[0], tri[2][:, :, 0])  # the chain follows the top-1 token
+    # fewer stages than n_predict, top_k = 1 returns the tensor only
+    short = mlp_speculator_propose_triton(hidden, tokens, emb, proj, lw, lb, head, scale_input, 1, num_tokens=2)
+    assert torch.equal(short, ref[0][:, :2])
+
+
+@needs_triton
+def test_mlp_tree_topk_triton_matches_reference():
+    emb, proj, lw, lb, head = _mlp_weights(seed=5)
+    g = torch.Generator().manual_seed(6)
+    B = 2
+    hidden, tokens = torch.randn(B, 24, generator=g), torch.randint(0, 77, (B,), generator=g)
+    ks = [3, 2, 2]
+    ref = mlp_speculator_propose_topk_reference(hidden.double(), tokens, _d(emb), _d(proj), lw, lb, _d(head), True, ks)
+    tri = mlp_speculator_propose_topk_triton(hidden, tokens, emb, proj, lw, lb, head, True, ks)
+    rows = B
+    for (rv, ri), (tv, ti), k in zip(ref, tri, ks):
+        assert ri.shape == (rows, k) and ti.shape == (rows, k)
+        assert torch.equal(ri, ti)
+        torch.testing.assert_close(tv, rv, atol=2e-5, rtol=1e-5)
+        rows *= k
+    # stage-1 branch r continues stage-0 row r // k0 with token indices0[r // k0, r % k0]
+    i0 = ref[0][1]
+    emb_d = _d(emb)
+    sw, ew, es = mlp_speculator_scales(3, 32)
+    h = hidden.double()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) / math.sqrt(2)
+    s0 = h @ proj[0].double().T + emb_d[0][tokens] * es
+    s0 = F.gelu(s0 * torch.rsqrt(s0.pow(2).mean(-1, keepdim=True) + 1e-6) * lw[0].double() + lb[0].double())
+    r = 4  # request 1, child 1
+    s1 = s0[r // 3] @ proj[1].double().T + emb_d[1][i0[r // 3, r % 3]] * es
+    s1 = F.gelu(s1 * torch.rsqrt(s1.pow(2).mean() + 1e-6) * lw[1].double() + lb[1].double())
+    lp = torch.log_softmax(s1 @ head[1].double().T, -1)
+    assert torch.equal(lp.topk(2).indices, ref[1][1][r])
+    # chain == first branch of the tree
+    chain = mlp_speculator_propose_reference(hidden.double(), tokens, emb_d, _d(proj), lw, lb, _d(head), True)
+    assert torch.equal(chain[:, 0], ref[0][1][:, 0])
+    assert len(mlp_speculator_propose_topk(hidden, tokens, emb, proj, lw, lb, head, True, ks)) == 3
+
+
+# ----------------------------------------------------------------------------------------
+# Medusa
+# ----------------------------------------------------------------------------------------
+def _medusa_weights(H=3, L=1, D=32, V=90, seed=0, shared=False, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    bw = torch.randn(H, L, D, D, generator=g) / D**0.5
+    bb = torch.randn(H, L, D, generator=g) * 0.1 if bias else None
+    lm = torch.randn(V, D, generator=g) / D**0.5 if shared else torch.randn(H, V, D, generator=g) / D**0.5
+    return bw, bb, lm
+
+
+def test_medusa_reference_matches_manual():
+    bw, bb, lm = _medusa_weights(L=2)
+    hidden = torch.randn(2, 32)
+    v, i = medusa_propose_reference(hidden.double(), bw.double(), bb.double(), lm.double(), 2)
+    for h in range(3):
+        x = hidden.double()
+        for l in range(2):
+            x = x + F.silu(F.linear(x, bw[h, l].double(), bb[h, l].double()))
+        logits = F.linear(x, lm[h].double())
+        assert torch.equal(i[:, h], logits.topk(2).indices)
+        torch.testing.assert_close(v[:, h], logits.topk(2).values.float())
+
+
+@needs_triton
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("L", [1, 2])
+def test_medusa_triton_matches_reference(shared, bias, L):
+    bw, bb, lm = _medusa_weights(L=L, shared=shared, bias=bias, seed=L + 2 * bias)
+    hidden = torch.randn(4, 32, generator=torch.Generator().manual_seed(1)) * 2
+    for k, logprobs in [(1, False), (4, True)]:
+        ref = medusa_propose_reference(hidden.double(), bw.double(), None if bb is None else bb.double(), lm.double(), k,
+                                       logprobs=logprobs)
+        tri = medusa_propose_triton(hidden, bw, bb, lm, k, logprobs=logprobs)
+        assert tri[1].shape == (4, 3, k)
+        assert torch.equal(tri[1], ref[1])
+        torch.testing.assert_close(tri[0], ref[0], atol=2e-5, rtol=1e-5)
+    assert torch.equal(medusa_propose(hidden, bw, bb, lm, 2)[1], medusa_propose_reference(hidden, bw, bb, lm, 2)[1])

@@ -1,0 +1,359 @@
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / the kernels are imported
+
+import math
+
+import pytest
+import torch
+
+from speculators.kernels.verification import (
+    compute_filter_thresholds,
+    counter_uniforms,
+    make_randomness,
+    rejection_sample,
+    rejection_sample_reference,
+    rejection_sample_triton,
+    tree_verify,
+    tree_verify_reference,
+    tree_verify_triton,
+)
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover
+    HAS_TRITON = False
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+
+def _case(B=4, K=3, V=37, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, K + 1, V, generator=g) * 2).to(dtype)
+    am = logits.float().argmax(-1)
+    drafts = torch.randint(0, V, (B, K), generator=g)
+    # make some prefixes match the target argmax so that several drafts get accepted
+    for b in range(B):
+        n = int(torch.randint(0, K + 1, (1,), generator=g))
+        drafts[b, :n] = am[b, :n]
+    nd = torch.randint(0, K + 1, (B,), generator=g)
+    nd[0] = K
+    if B > 1:
+        nd[1] = 0
+    drafts = torch.where(torch.arange(K) < nd[:, None], drafts, torch.full_like(drafts, -1))  # padding
+    return logits, drafts, nd
+
+
+def _manual_greedy(logits, drafts, nd):
+    B, R, V = logits.shape
+    out = torch.full((B, R), -1, dtype=torch.int64)
+    nacc = torch.zeros(B, dtype=torch.int64)
+    for b in range(B):
+        j = 0
+        while j < int(nd[b]) and int(drafts[b, j]) == int(logits[b, j].float().argmax()):
+            out[b, j] = drafts[b, j]
+            j += 1
+        out[b, j] = int(logits[b, j].float().argmax())
+        nacc[b] = j
+    return out, nacc
+
+
+def _assert_same(a, b):
+    assert torch.equal(a[0], b[0]), f"\n{a[0]}\n{b[0]}"
+    assert torch.equal(a[1], b[1]), f"\n{a[1]}\n{b[1]}"
+
+
+# ----------------------------------------------------------------------------------------
+# greedy
+# ----------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_matches_manual_loop(splits, dtype):
+    logits, drafts, nd = _case(B=4, K=4, V=300, seed=1, dtype=dtype)
+    ref = rejection_sample(logits, drafts, nd, _impl="reference")
+    tri = rejection_sample_triton(logits, drafts, nd, _splits=splits)
+    _assert_same(ref, _manual_greedy(logits, drafts, nd))
+    _assert_same(tri, ref)
+    # output layout: accepted drafts, then one token, then -1 padding
+    for b in range(4):
+        n = int(ref[1][b])
+        assert torch.equal(ref[0][b, :n], drafts[b, :n])
+        assert (ref[0][b, n + 1 :] == -1).all()
+
+
+@needs_triton
+def test_greedy_ties_lowest_index_and_all_num_draft_zero():
+    V = 40
+    logits = torch.zeros(2, 3, V)
+    logits[:, :, 7] = 1.0
+    logits[:, :, 3] = 1.0  # tie between 3 and 7 -> 3
+    drafts = torch.tensor([[3, 3], [7, 3]])
+    ref = rejection_sample_reference(logits, drafts, torch.tensor([2, 2]))
+    tri = rejection_sample_triton(logits, drafts, torch.tensor([2, 2]), _splits=2)
+    _assert_same(tri, ref)
+    assert ref[0].tolist() == [[3, 3, 3], [3, -1, -1]] and ref[1].tolist() == [2, 0]
+    nd0 = torch.zeros(2, dtype=torch.int64)
+    ref0 = rejection_sample_reference(logits, drafts, nd0)
+    _assert_same(rejection_sample_triton(logits, drafts, nd0), ref0)
+    assert ref0[0].tolist() == [[3, -1, -1], [3, -1, -1]] and ref0[1].tolist() == [0, 0]
+
+
+def test_dispatch_cpu_uses_reference():
+    logits, drafts, nd = _case(B=2, K=2, V=16, seed=2)
+    _assert_same(rejection_sample(logits, drafts, nd), rejection_sample_reference(logits, drafts, nd))
+
+
+# ----------------------------------------------------------------------------------------
+# stochastic: Triton == reference
+# ----------------------------------------------------------------------------------------
+SAMPLING = [
+    dict(),
+    dict(top_k=torch.tensor([0, 0, 5, 3])),
+    dict(top_p=torch.tensor([0.9, 1.0, 0.5, 0.8])),
+    dict(top_k=torch.tensor([10, 0, 4, 1]), top_p=torch.tensor([0.7, 1.0, 0.95, 0.3])),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("sampling", range(len(SAMPLING)))
+@pytest.mark.parametrize("with_dprobs", [False, True])
+def test_stochastic_seeded_matches_reference(sampling, with_dprobs):
+    B, K, V = 4, 3, 61
+    logits, drafts, nd = _case(B=B, K=K, V=V, seed=10 + sampling)
+    g = torch.Generator().manual_seed(5)
+    dp = torch.softmax(torch.randn(B, K, V, generator=g) * 2, -1) if with_dprobs else None
+    temp = torch.tensor([1.0, 0.0, 0.7, 1.3])
+    for trial in range(3):
+        seeds = torch.tensor([11, 22, 33, 44]) + 1000 * trial
+        kw = dict(temperature=temp, seeds=seeds, **SAMPLING[sampling])
+        ref = rejection_sample_reference(logits, drafts, nd, dp, **kw)
+        tri = rejection_sample_triton(logits, drafts, nd, dp, _splits=1 + trial, **kw)
+        _assert_same(tri, ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("with_dprobs", [False, True])
+def test_stochastic_explicit_randomness_matches_reference(with_dprobs):
+    B, K, V = 3, 4, 45
+    logits, drafts, nd = _case(B=B, K=K, V=V, seed=3)
+    dp = torch.softmax(torch.randn(B, K, V), -1) if with_dprobs else None
+    u, e = make_randomness([5, 6, 7], K, V)
+    assert u.shape == (B, K) and e.shape == (B, K + 1, V)
+    kw = dict(temperature=torch.tensor([0.8, 1.0, 1.5]), uniforms=u, exponentials=e, top_k=torch.tensor([0, 7, 0]))
+    _assert_same(rejection_sample_triton(logits, drafts, nd, dp, _splits=2, **kw),
+                 rejection_sample_reference(logits, drafts, nd, dp, **kw))
+
+
+def test_seeding_reproducible_and_batch_independent():
+    B, K, V = 4, 3, 50
+    logits, drafts, nd = _case(B=B, K=K, V=V, seed=4)
+    temp = torch.ones(B)
+    seeds = torch.tensor([3, 1, 4, 1])  # two requests share a seed but not their logits
+    full = rejection_sample_reference(logits, drafts, nd, temperature=temp, seeds=seeds)
+    _assert_same(full, rejection_sample_reference(logits, drafts, nd, temperature=temp, seeds=seeds))
+    perm = torch.tensor([2, 0, 3, 1])
+    sub = rejection_sample_reference(logits[perm], drafts[perm], nd[perm], temperature=temp[perm], seeds=seeds[perm])
+    assert torch.equal(sub[0], full[0][perm]) and torch.equal(sub[1], full[1][perm])
+    u1, e1 = make_randomness([9, 8], K, V)
+    u2, e2 = make_randomness([8], K, V)
+    assert torch.equal(u1[1], u2[0]) and torch.equal(e1[1], e2[0])
+
+
+def test_counter_uniforms_properties():
+    u = counter_uniforms(torch.tensor([0, 1, -5, 2**40 + 3]), torch.arange(3).expand(4, 3), 0, 4096)
+    assert u.shape == (4, 3, 4096) and u.dtype == torch.float32
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    # different (seed, position) streams are different
+    assert not torch.equal(u[0, 0], u[0, 1]) and not torch.equal(u[0, 0], u[1, 0])
+    # stream 1 (accept uniforms) differs from stream 0
+    assert not torch.equal(counter_uniforms(torch.tensor([0]), torch.tensor([[0]]), 1, 8), u[:1, :1, :8])
+
+
+@needs_triton
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_low_temperature_and_top_k_one_equal_greedy(impl):
+    B, K, V = 4, 3, 40
+    g = torch.Generator().manual_seed(7)
+    # well separated logits: distinct multiples of 0.5
+    logits = torch.stack([torch.randperm(V, generator=g) for _ in range(B * (K + 1))]).float().view(B, K + 1, V) * 0.5
+    am = logits.argmax(-1)
+    drafts = torch.randint(0, V, (B, K), generator=g)
+    drafts[0] = am[0, :K]
+    drafts[1, :2] = am[1, :2]
+    nd = torch.tensor([3, 3, 2, 0])
+    fn = rejection_sample_reference if impl == "reference" else rejection_sample_triton
+    greedy = fn(logits, drafts, nd)
+    seeds = torch.arange(B)
+    _assert_same(fn(logits, drafts, nd, temperature=torch.full((B,), 1e-4), seeds=seeds), greedy)
+    _assert_same(fn(logits, drafts, nd, temperature=torch.ones(B), top_k=torch.ones(B, dtype=torch.int64),
+                    seeds=seeds), greedy)
+    _assert_same(fn(logits, drafts, nd, temperature=torch.ones(B), top_p=torch.full((B,), 1e-6), seeds=seeds), greedy)
+
+
+def test_filter_thresholds_semantics():
+    logits = torch.tensor([[[3.0, 1.0, 2.0, 2.0, 0.0]]])
+    thr = compute_filter_thresholds(logits, torch.tensor([1.0]), top_k=torch.tensor([2]))
+    assert thr.item() == 2.0  # ties at the boundary are kept: {3, 2, 2}
+    p = torch.softmax(logits[0, 0], -1)
+    thr = compute_filter_thresholds(logits, torch.tensor([1.0]), top_p=torch.tensor([float(p[0]) + 1e-4]))
+    assert thr.item() == 2.0
+    thr = compute_filter_thresholds(logits, torch.tensor([1.0]), top_p=torch.tensor([float(p[0]) - 1e-4]))
+    assert thr.item() == 3.0
+    assert compute_filter_thresholds(logits, torch.tensor([0.0]), top_k=torch.tensor([1])) is None  # greedy
+
+
+# ----------------------------------------------------------------------------------------
+# distribution preservation (statistical)
+# ----------------------------------------------------------------------------------------
+CHI2_CRIT_7DOF_P1E3 = 24.321886  # scipy.stats.chi2.isf(1e-3, 7)
+
+
+def _chi2_pvalue(counts, probs):
+    n = counts.sum()
+    exp = probs * n
+    stat = float(((counts - exp) ** 2 / exp).sum())
+    try:
+        from scipy.stats import chi2
+
+        return stat, float(chi2.sf(stat, len(probs) - 1))
+    except Exception:  # pragma: no cover - scipy missing: compare with the precomputed critical value
+        assert len(probs) == 8
+        return stat, 1.0 if stat < CHI2_CRIT_7DOF_P1E3 else 0.0
+
+
+def _stat_setup(n, one_hot, seed=0, K=2):
+    V = 8
+    g = torch.Generator().manual_seed(seed)
+    p_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, 1.5, -1.0, 0.3])
+    q = torch.softmax(torch.tensor([-1.0, 0.5, 2.0, 0.0, 1.0, -0.5, 0.7, 0.0]), -1)  # a different distribution
+    logits = p_logits.expand(n, K + 1, V).clone()
+    if one_hot:
+        drafts = torch.full((n, K), 2, dtype=torch.int64)  # deterministic drafter
+        dp = None
+    else:
+        drafts = torch.multinomial(q, n * K, replacement=True, generator=g).view(n, K)
+        dp = q.expand(n, K, V).clone()
+    nd = torch.full((n,), K, dtype=torch.int64)
+    return logits, drafts, nd, dp, torch.softmax(p_logits.double(), -1)
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_stochastic_preserves_target_distribution_reference(one_hot):
+    n = 40000
+    logits, drafts, nd, dp, p = _stat_setup(n, one_hot)
+    out, nacc = rejection_sample_reference(logits, drafts, nd, dp, temperature=torch.ones(n),
+                                           seeds=torch.arange(n) + 12345)
+    counts = torch.bincount(out[:, 0], minlength=8).double()
+    stat, pval = _chi2_pvalue(counts, p)
+    assert pval > 1e-3, (stat, counts / n, p)
+    # the acceptance rate of the first draft is sum_x min(p, q) (one-hot: p(x))
+    q = (torch.nn.functional.one_hot(torch.tensor(2), 8).double() if one_hot else dp[0, 0].double())
+    expect = float(torch.minimum(p, q).sum())
+    assert abs(float((nacc > 0).double().mean()) - expect) < 4 * math.sqrt(expect * (1 - expect) / n)
+
+
+@needs_triton
+def test_stochastic_preserves_target_distribution_triton():
+    # small run (the interpreter executes one program at a time); Triton must equal the reference
+    # sample by sample, and the reference is checked at 40k samples above
+    n = 240
+    logits, drafts, nd, dp, p = _stat_setup(n, one_hot=False, seed=1, K=1)
+    kw = dict(temperature=torch.ones(n), seeds=torch.arange(n) + 777)
+    tri = rejection_sample_triton(logits, drafts, nd, dp, **kw)
+    _assert_same(tri, rejection_sample_reference(logits, drafts, nd, dp, **kw))
+    counts = torch.bincount(tri[0][:, 0], minlength=8).double()
+    stat, pval = _chi2_pvalue(counts, p)
+    assert pval > 1e-3, (stat, counts / n, p)
+
+
+# ----------------------------------------------------------------------------------------
+# tree verification
+# ----------------------------------------------------------------------------------------
+def _tree_case(B=3, V=30, seed=0):
+    # root 0; children 1,2 of 0; 3,4 of 1; 5 of 2; 6 of 3; 7 padding
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, -1]).expand(B, 8).clone()
+    g = torch.Generator().manual_seed(seed)
+    N = parents.shape[1]
+    logits = torch.randn(B, N, V, generator=g) * 3
+    am = logits.argmax(-1)
+    toks = torch.randint(0, V, (B, N), generator=g)
+    # request 0: path 0-1-3-6 accepted greedily; request 1: 0-2-5; request 2: nothing
+    for b, path in enumerate([[0, 1, 3, 6], [0, 2, 5], [0]]):
+        for a, c in zip(path[:-1], path[1:]):
+            toks[b, c] = am[b, a]
+    for b in range(B):  # make sure siblings of accepted nodes differ from the argmax
+        for i in range(1, N):
+            pa = int(parents[b, i])
+            if pa >= 0 and int(toks[b, i]) == int(am[b, pa]) and not ((b, i) in {(0, 1), (0, 3), (0, 6), (1, 2), (1, 5)}):
+                toks[b, i] = (int(am[b, pa]) + 1) % V
+    return logits, toks, parents
+
+
+def _manual_tree_greedy(logits, toks, parents):
+    B, N, _ = logits.shape
+    res = []
+    for b in range(B):
+        node, path = 0, [0]
+        while True:
+            nxt = [i for i in range(1, N) if int(parents[b, i]) == node and int(toks[b, i]) == int(logits[b, node].argmax())]
+            if not nxt:
+                break
+            node = nxt[0]
+            path.append(node)
+        res.append((path, int(logits[b, node].argmax())))
+    return res
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 2])
+def test_tree_greedy(splits):
+    logits, toks, parents = _tree_case()
+    ref = tree_verify_reference(logits, toks, parents)
+    tri = tree_verify_triton(logits, toks, parents, _splits=splits)
+    for a, b in zip(ref, tri):
+        assert torch.equal(a, b), (a, b)
+    assert ref.num_accepted.tolist() == [3, 2, 0]
+    for b, (path, bonus) in enumerate(_manual_tree_greedy(logits, toks, parents)):
+        n = len(path)
+        assert ref.accepted_nodes[b, :n].tolist() == path and (ref.accepted_nodes[b, n:] == -1).all()
+        assert ref.output_tokens[b, : n - 1].tolist() == [int(toks[b, i]) for i in path[1:]]
+        assert int(ref.output_tokens[b, n - 1]) == bonus == int(ref.bonus_tokens[b])
+    assert torch.equal(tree_verify(logits, toks, parents).accepted_nodes, ref.accepted_nodes)
+
+
+@needs_triton
+def test_tree_chain_equals_chain_verification():
+    # a chain tree (parents i-1) is verified exactly like the chain op in greedy mode
+    logits, drafts, nd = _case(B=4, K=4, V=50, seed=9)
+    nd[:] = 4
+    toks = torch.cat([torch.zeros(4, 1, dtype=torch.int64), drafts], 1)
+    parents = torch.arange(-1, 4).expand(4, 5)
+    tv = tree_verify_triton(logits, toks, parents)
+    out, nacc = rejection_sample_reference(logits, drafts, nd)
+    assert torch.equal(tv.num_accepted, nacc) and torch.equal(tv.output_tokens, out)
+
+
+@needs_triton
+@pytest.mark.parametrize("with_seeds", [False, True])
+def test_tree_typical(with_seeds):
+    logits, toks, parents = _tree_case(seed=3)
+    logits[1] *= 0.2  # flat distributions: high entropy, low threshold
+    kw = dict(mode="typical", temperature=torch.tensor([0.7, 1.0, 1.3]), typical_epsilon=0.09, typical_delta=0.3)
+    if with_seeds:
+        kw["seeds"] = torch.tensor([1, 2, 3])
+    ref = tree_verify_reference(logits, toks, parents, **kw)
+    tri = tree_verify_triton(logits, toks, parents, _splits=2, **kw)
+    for a, b in zip(ref, tri):
+        assert torch.equal(a, b), (a, b)
+    # manual check of the acceptance rule for the root's children
+    b = 0
+    p = torch.softmax(logits[b, 0].double() / 0.7, -1)
+    H = -(p * p.log()).sum()
+    thr = min(0.09, 0.3 * math.exp(-float(H)))
+    ok1 = float(p[toks[b, 1]]) > thr
+    ok2 = float(p[toks[b, 2]]) > thr
+    assert (int(ref.num_accepted[b]) > 0) == (ok1 or ok2)
