@@ -50,6 +50,11 @@ class TrainConfig:
     beta: float = 0.5
     temperature: float = 1.0
     head_weight_decay: float = 1.0  # head i weighs decay**i (Medusa-2 uses 0.8)
+    # How the loss gets the teacher: "hidden" recomputes the target's logits tile by tile from its
+    # hidden states (memory stays flat: the GPU default); "logits" takes the logits the target computes
+    # once per position, shared by all heads (4 of 4+H vocab GEMMs saved: the CPU default, where
+    # memory is plentiful and GEMMs are the bottleneck); "auto" picks by device.
+    teacher: str = "auto"
     # optimisation
     stages: list = field(default_factory=lambda: [{"name": "stage1", "data": "dataset", "steps": 100}])
     lr: float = 1e-3
@@ -76,6 +81,7 @@ class TrainConfig:
             "target_dtype": ("bf16", "fp32"),
             "mixed_precision": ("bf16", "fp32"),
             "report_to": ("none", "wandb", "tensorboard"),
+            "teacher": ("auto", "hidden", "logits"),
         }
         for key, allowed in checks.items():
             if getattr(self, key) not in allowed:

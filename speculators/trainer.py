@@ -60,10 +60,13 @@ def build_speculator(cfg: TrainConfig, target: Target):
 def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normalizer: float) -> tuple[torch.Tensor, int]:
     """(loss / normalizer, number of loss tokens) for one micro-batch."""
     ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-    hidden = target(ids, attn, logits=False).hidden
+    use_teacher = cfg.divergence != "ce"
+    teacher_mode = cfg.teacher if cfg.teacher != "auto" else ("hidden" if ids.is_cuda else "logits")
+    out = target(ids, attn, logits=use_teacher and teacher_mode == "logits")
+    hidden = out.hidden
     states = model(hidden.to(torch.float32), ids)  # [H, B, T, inner]
     n_heads, (bsz, seq) = states.shape[0], ids.shape
-    labels, teacher = [], []
+    labels = []
     for i in range(n_heads):
         # head i at position t: label is token t+i+2, teacher is the target's prediction at t+i+1
         shift = i + 2
@@ -71,25 +74,31 @@ def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normal
         ok = (mask[:, shift:] * attn[:, shift:]).bool()
         lab[:, : seq - shift] = torch.where(ok, ids[:, shift:], -100)
         labels.append(lab)
-        teacher.append(torch.nn.functional.pad(hidden[:, i + 1 :], (0, 0, 0, i + 1)))
     labels = torch.stack(labels).view(n_heads, bsz * seq)
     # Only rows some head learns from go into the loss: padding and prompt tokens cost nothing.
     rows = (labels != -100).any(0).nonzero().squeeze(1)
     labels = labels[:, rows]
     student = states.reshape(n_heads, bsz * seq, -1)[:, rows].float()
-    use_teacher = cfg.divergence != "ce"
+    teacher = {}
+    if use_teacher:
+        # flat index of position t+i+1 in the same sequence; never read where the label is ignored
+        src = (rows[None] + torch.arange(1, n_heads + 1, device=rows.device)[:, None]).clamp(max=bsz * seq - 1)
+        if teacher_mode == "logits":
+            teacher["teacher_logits"] = out.logits.view(bsz * seq, -1)[src]
+        else:
+            teacher["teacher_input"] = hidden.reshape(bsz * seq, -1)[src]
+            teacher["teacher_weight"] = target.lm_head.weight
     with torch.autocast(student.device.type, enabled=False):  # the op accumulates in fp32 itself
         loss = fused_linear_divergence(
             student,
             getattr(model, "module", model).head_weights().float(),  # DDP wraps the model in .module
-            teacher_input=torch.stack(teacher).view(n_heads, bsz * seq, -1)[:, rows] if use_teacher else None,
-            teacher_weight=target.lm_head.weight if use_teacher else None,
             labels=labels,
             divergence=cfg.divergence,
             beta=cfg.beta,
             temperature=cfg.temperature,
             head_weights=[cfg.head_weight_decay**i for i in range(n_heads)],
             reduction="sum",
+            **teacher,
         )
     return loss / normalizer, int((labels != -100).sum())
 

@@ -127,7 +127,7 @@ def test_jsd_beta_edges_are_zero(impl, beta):
 def test_mean_with_a_fully_ignored_head(impl):
     case = pick_teacher(make_case(), "hidden")
     case["labels"][1] = -100
-    options = dict(divergence="rkl", reduction="mean")
+    options = dict(divergence="rkl", reduction="mean", head_weights=torch.tensor([0.5, 2.0]))
     ref = run(divergence_reference, case, torch.float64, **options)
     assert_close(run(fused_linear_divergence, case, torch.float32, _impl=impl, **options), ref)
 
@@ -142,6 +142,16 @@ def test_frozen_weight_and_no_grad(impl):
         loss = fused_linear_divergence(**{k: v.float() if v.is_floating_point() else v
                                           for k, v in case.items()}, _impl=impl)
     assert rel_err(loss, ref[0]) < FP32_TOL
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_inputs_left_untouched(impl):
+    case = {k: v.float() if v.is_floating_point() else v for k, v in make_case().items()}
+    del case["teacher_input"], case["teacher_weight"]
+    before = {k: v.clone() for k, v in case.items()}
+    fused_linear_divergence(**case, divergence="jsd", temperature=2.0, _impl=impl)
+    for k, v in case.items():
+        assert torch.equal(v, before[k]), k
 
 
 def test_module_matches_function():
@@ -176,6 +186,7 @@ def test_tolerance_is_meaningful():
     (dict(head_weights=[1.0]), "head_weights"),
     (dict(divergence="jsd", beta=1.5), "beta"),
     (dict(temperature=0.0), "temperature"),
+    (dict(teacher_weight=torch.zeros(V, DT, device="meta")), "is on meta"),
 ])
 def test_errors(change, message):
     args = dict(student_input=torch.zeros(H, T, D), student_weight=torch.zeros(V, D),
