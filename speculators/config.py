@@ -23,7 +23,9 @@ class Stage:
     steps: int = 100
     lr_scale: float = 1.0
     num_prompts: int = 256  # data: target — prompts to continue
-    prompt_tokens: int = 64  # data: target — IBM: cut dataset text to this many tokens as the prompt
+    prompts: str = "chat"  # data: target — "chat": first user turns, chat-templated (the target answers);
+    #                        "prefix": the first prompt_tokens tokens of data-set rows (IBM stage 2)
+    prompt_tokens: int = 64  # data: target — prefix length, or the longest chat prompt kept
     gen_tokens: int = 128  # data: target — tokens generated per prompt
     gen_temperature: float = 1.0  # 0 = greedy (Medusa self-distillation)
     gen_top_k: int = 10
@@ -89,6 +91,8 @@ class TrainConfig:
         for s in self.stages:
             if s.data not in ("dataset", "target"):
                 raise ConfigError(f"stage {s.name}: data={s.data!r} is not 'dataset' or 'target'")
+            if s.prompts not in ("chat", "prefix"):
+                raise ConfigError(f"stage {s.name}: prompts={s.prompts!r} is not 'chat' or 'prefix'")
         if self.batch_size % self.micro_batch_size:
             raise ConfigError("batch_size must be a multiple of micro_batch_size")
 

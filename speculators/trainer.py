@@ -14,6 +14,7 @@ global count of loss tokens, so N processes reproduce one process.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from .config import ConfigError, Stage, TrainConfig
-from .data import build_dataset, check_source, collate
+from .data import build_dataset, chat_ids, check_source, collate, prompts_from
 from .kernels.fused_linear_divergence import fused_linear_divergence
 from .models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculatorConfig
 from .models.base import atomic_write_dir
@@ -115,15 +116,22 @@ def lr_at(step_in_stage: int, stage: Stage, cfg: TrainConfig) -> float:
 
 def target_generated_dataset(target: Target, source: Dataset, stage: Stage, cfg: TrainConfig, rank: int,
                              world: int) -> Dataset:
-    """Continuations sampled from the target: prompts are the first tokens of dataset rows (IBM stage 2)
-    or, for greedy self-distillation, the same. Each process generates its own share."""
+    """Continuations the target generates (sampled, or greedy when gen_temperature is 0): its answers to
+    the data set's first user turns, or continuations of row prefixes (IBM stage 2). Each process
+    generates its own share of the prompts."""
     pad = target.tokenizer.pad_token_id
     rows = []
-    g = torch.Generator().manual_seed(cfg.seed + 1000 * rank)
-    picks = torch.randperm(len(source), generator=g)[: stage.num_prompts // world].tolist()
-    bar = tqdm(total=len(picks), desc=f"[{stage.name}] target generates", disable=rank != 0, unit="prompt")
-    for start in range(0, len(picks), 16):
-        prompts = [source[i]["input_ids"][: stage.prompt_tokens] for i in picks[start : start + 16]]
+    if stage.prompts == "chat":
+        chats = (chat_ids(target.tokenizer, m) for m in prompts_from(cfg.data, None, cfg.seed))
+        all_prompts = list(itertools.islice((ids for ids in chats if len(ids) <= stage.prompt_tokens), stage.num_prompts))
+    else:
+        g = torch.Generator().manual_seed(cfg.seed)
+        picks = torch.randperm(len(source), generator=g)[: stage.num_prompts].tolist()
+        all_prompts = [source[i]["input_ids"][: stage.prompt_tokens] for i in picks]
+    mine = all_prompts[rank::world]
+    bar = tqdm(total=len(mine), desc=f"[{stage.name}] target generates", disable=rank != 0, unit="prompt")
+    for start in range(0, len(mine), 16):
+        prompts = mine[start : start + 16]
         width = max(map(len, prompts))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left-pad for generation
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.proposal import medusa_propose
 from .base import SpeculatorModel
 
 
@@ -67,19 +68,16 @@ class Medusa(SpeculatorModel):
         self.blocks = nn.ModuleList(
             ResBlockStack(c.hidden_size, c.num_hidden_layers, c.medusa_fc_bias) for _ in range(c.num_heads)
         )
+        # One [n, V, D] tensor: the fused loss and the proposal kernel take the heads stacked.
+        # Saved as vLLM's lm_heads.{h}.weight (or lm_head.weight when shared and frozen).
         n_lm = 1 if c.original_lm_head else c.num_heads
-        self.lm_heads = nn.ModuleList(nn.Linear(c.hidden_size, c.vocab_size, bias=False) for _ in range(n_lm))
-        if c.original_lm_head:
-            self.lm_heads.requires_grad_(False)
+        self.lm_head_weight = nn.Parameter(torch.empty(n_lm, c.vocab_size, c.hidden_size),
+                                           requires_grad=not c.original_lm_head)
+        nn.init.normal_(self.lm_head_weight, std=1 / c.hidden_size**0.5)
 
     def head_weights(self) -> torch.Tensor:
         """[V, D] when the lm head is shared, else [num_heads, V, D]."""
-        if self.config.original_lm_head:
-            return self.lm_heads[0].weight
-        return torch.stack([h.weight for h in self.lm_heads])
-
-    def lm_head(self, h: int) -> nn.Linear:
-        return self.lm_heads[0 if self.config.original_lm_head else h]
+        return self.lm_head_weight[0] if self.config.original_lm_head else self.lm_head_weight
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Head states [num_heads, B, T, D]; head h at position t predicts token t+h+2."""
@@ -87,22 +85,28 @@ class Medusa(SpeculatorModel):
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-        """Top-1 chain of k drafts [B, k] (vLLM's V1 Medusa proposer); `tokens` is unused."""
-        scale = self.config.logit_scale
-        return torch.stack([(self.lm_head(h)(self.blocks[h](hidden)) * scale).argmax(-1) for h in range(k)], dim=1)
+        """Top-1 chain of k drafts [B, k] (vLLM's V1 Medusa proposer; a positive logit_scale does not
+        change an argmax); `tokens` is unused. The fused kernel on CUDA, its reference elsewhere."""
+        if k > self.config.num_heads:
+            raise ValueError(f"k={k} exceeds the number of Medusa heads ({self.config.num_heads})")
+        blocks = self.blocks[:k]
+        weights = torch.stack([torch.stack([layer.weight for layer in b.layers]) for b in blocks])
+        bias = (torch.stack([torch.stack([layer.bias for layer in b.layers]) for b in blocks])
+                if self.config.medusa_fc_bias else None)
+        lm_head = self.head_weights() if self.config.original_lm_head else self.lm_head_weight[:k]
+        return medusa_propose(hidden, weights, bias, lm_head, top_k=1)[1][:, :, 0]
 
     def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         with torch.no_grad():
-            for head in self.lm_heads:
-                head.weight.copy_(lm_head)
+            self.lm_head_weight.copy_(lm_head.expand_as(self.lm_head_weight))
 
     # vLLM names: blocks.{h}.layers.{l}.weight/.bias, lm_heads.{h}.weight, or lm_head.weight if shared
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
         sd = {k: v for k, v in self.state_dict().items() if k.startswith("blocks.")}
         if self.config.original_lm_head:
-            sd["lm_head.weight"] = self.lm_heads[0].weight.data
+            sd["lm_head.weight"] = self.lm_head_weight.data[0]
         else:
-            sd.update({f"lm_heads.{h}.weight": m.weight.data for h, m in enumerate(self.lm_heads)})
+            sd.update({f"lm_heads.{h}.weight": w for h, w in enumerate(self.lm_head_weight.data)})
         return sd
 
     def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:

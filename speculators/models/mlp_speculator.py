@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.proposal import mlp_speculator_propose
 from .base import SpeculatorModel
 
 EPS = 1e-6
@@ -77,7 +78,9 @@ class MLPSpeculator(SpeculatorModel):
             nn.Linear(c.emb_dim if i == 0 else c.inner_dim, c.inner_dim, bias=False) for i in range(n_proj)
         )
         self.ln = nn.ModuleList(RMSNormWithBias(c.inner_dim) for _ in range(n_emb))
-        self.head = nn.ModuleList(nn.Linear(c.inner_dim, c.vocab_size, bias=False) for _ in range(n_emb))
+        # One [n, V, inner] tensor rather than n Linears: the fused loss takes the heads stacked, and
+        # stacking copies every step would cost n*V*inner floats. Saved as vLLM's head.{i}.weight.
+        self.head_weight = nn.Parameter(torch.empty(n_emb, c.vocab_size, c.inner_dim))
         self.input_norm = RMSNormWithBias(c.emb_dim, affine=False)
         self.state_weight = 0.5 ** (0.5 / c.n_predict)
         self.emb_weight = math.sqrt((1 - self.state_weight**2) * (c.inner_dim / 2))
@@ -88,19 +91,17 @@ class MLPSpeculator(SpeculatorModel):
         # state and the token embedding enter each stage at comparable magnitudes.
         for emb in self.emb:
             nn.init.normal_(emb.weight, std=1 / math.sqrt(self.config.inner_dim))
-        for lin in [*self.proj, *self.head]:
+        for lin in self.proj:
             nn.init.normal_(lin.weight, std=1 / math.sqrt(lin.in_features))
+        nn.init.normal_(self.head_weight, std=1 / math.sqrt(self.config.inner_dim))
 
-    def stage(self, i: int) -> tuple[nn.Embedding, nn.Linear, RMSNormWithBias, nn.Linear]:
-        if self.config.tie_weights:
-            return self.emb[0], self.proj[min(i, 1)], self.ln[0], self.head[0]
-        return self.emb[i], self.proj[i], self.ln[i], self.head[i]
+    def stage(self, i: int) -> tuple[nn.Embedding, nn.Linear, RMSNormWithBias, torch.Tensor]:
+        j = 0 if self.config.tie_weights else i
+        return self.emb[j], self.proj[min(i, 1) if self.config.tie_weights else i], self.ln[j], self.head_weight[j]
 
     def head_weights(self) -> torch.Tensor:
         """[V, inner] when tied, else [n_predict, V, inner] (the layout the fused loss takes)."""
-        if self.config.tie_weights:
-            return self.head[0].weight
-        return torch.stack([h.weight for h in self.head])
+        return self.head_weight[0] if self.config.tie_weights else self.head_weight
 
     def step(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         emb, proj, ln, _ = self.stage(i)
@@ -125,13 +126,15 @@ class MLPSpeculator(SpeculatorModel):
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-        """Greedy chain of k draft tokens [B, k] from hidden [B, D] and the just-sampled tokens [B]."""
-        drafts, state = [], hidden
-        for i in range(k):
-            state = self.step(i, state, tokens)
-            tokens = self.stage(i)[3](state).argmax(-1)
-            drafts.append(tokens)
-        return torch.stack(drafts, dim=1)
+        """Greedy chain of k draft tokens [B, k] from hidden [B, D] and the just-sampled tokens [B]
+        (the fused proposal kernel on CUDA, its PyTorch reference elsewhere)."""
+        if k > self.config.n_predict:
+            raise ValueError(f"k={k} exceeds the speculator's n_predict={self.config.n_predict}")
+        stages = [self.stage(i) for i in range(self.config.n_predict)]
+        return mlp_speculator_propose(
+            hidden, tokens, [s[0].weight for s in stages], [s[1].weight for s in stages],
+            [s[2].weight for s in stages], [s[2].bias for s in stages], [s[3] for s in stages],
+            scale_input=self.config.scale_input, num_tokens=k)
 
     def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Start embeddings and heads from the target's (when inner_dim == hidden size)."""
@@ -140,12 +143,13 @@ class MLPSpeculator(SpeculatorModel):
         with torch.no_grad():
             for emb in self.emb:
                 emb.weight.copy_(embed)
-            for head in self.head:
-                head.weight.copy_(lm_head)
+            self.head_weight.copy_(lm_head.expand_as(self.head_weight))
 
     # vLLM names: emb.{i}.weight, proj.{i}.weight, ln.{i}.weight/bias, head.{i}.weight
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("input_norm")}
+        sd = {k: v for k, v in self.state_dict().items() if k != "head_weight"}
+        sd.update({f"head.{i}.weight": w for i, w in enumerate(self.head_weight.data)})
+        return sd
 
     def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         # vLLM strips any "speculator." prefix; do the same so fms-extras checkpoints load too.
