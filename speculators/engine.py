@@ -103,7 +103,9 @@ class SpeculativeDecoder:
             history.extend(emitted)
             # Keep the KV of `token` and the accepted drafts; the last emitted token is fed next step.
             cached += 1 + n_acc
-            cache.crop(cached)
+            rejected = cache.get_seq_length() - cached
+            if rejected:
+                cache.crop(-rejected)  # drop the rejected drafts' KV
             token, hidden = emitted[-1], out.hidden[0, n_acc]
         stats.seconds = time.perf_counter() - start
         return stats
