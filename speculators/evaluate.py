@@ -82,6 +82,7 @@ def write_report(results: dict, out_dir: Path) -> None:
                 continue
             acc = r["acceptance_per_position"]
             ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{pname} (τ={r['tau']:.2f}, {r['speedup']:.2f}×)")
+        ax.set_xticks(range(1, results["k"] + 1))
         ax.set(title=f"{name} (k={results['k']}, T={results['temperature']})", xlabel="draft position",
                ylabel="acceptance rate", ylim=(0, 1))
         ax.grid(alpha=0.3)
