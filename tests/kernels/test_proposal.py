@@ -145,7 +145,7 @@ def test_mlp_reference_matches_model_class():
     stages = [m.stage(i) for i in range(3)]
     ours = mlp_speculator_propose_reference(
         hidden, tokens, [s[0].weight for s in stages], [s[1].weight for s in stages], [s[2].weight for s in stages],
-        [s[2].bias for s in stages], [s[3].weight for s in stages], True,
+        [s[2].bias for s in stages], [s[3] for s in stages], True,
     )
     assert torch.equal(ours, m.propose(hidden, tokens, 3))
 
