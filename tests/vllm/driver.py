@@ -1,0 +1,196 @@
+"""Run real vLLM on a list of cases and report outputs and vLLM's own spec-decode metrics as JSON.
+
+Runs in the vLLM venv (`.venv-vllm`, made by scripts/setup_vllm.sh), never in the main one:
+
+    .venv-vllm/bin/python tests/vllm/driver.py SPEC.json OUT.json
+
+SPEC.json:
+    {"target": DIR, "dtype": "float32", "max_tokens": 64, "prompts": [[token ids], ...],
+     "max_model_len": 1024, "batch_size": 0,          # 0: all prompts in one generate() call
+     "cases": [{"name": "plain", "speculative_config": null, "in_process": true}, ...]}
+
+One case is one `LLM(...)`: `in_process` puts vLLM's engine core and worker in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni": ~5 s a start instead of ~25 s); otherwise vLLM's
+default multi-process layout, where our plugin is loaded from its entry point in every process.
+Cases run one after the other; only one vLLM engine exists at a time.
+
+OUT.json, per case: outputs (token ids per prompt), the speculative method vLLM ended up with,
+`spec` = deltas of vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens /
+_num_accepted_tokens_per_pos over the generate() calls, seconds for start-up and generation.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def spec_metrics(llm) -> dict:
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+    names = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+    for m in llm.get_metrics():
+        if isinstance(m, Counter) and m.name in names:
+            out[names[m.name]] += m.value
+        elif isinstance(m, Vector) and m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = out["accepted_per_pos"]
+            vals.extend([0] * (len(m.values) - len(vals)))
+            for i, v in enumerate(m.values):
+                vals[i] += v
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    pos_b = before["accepted_per_pos"] + [0] * len(after["accepted_per_pos"])
+    d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    d["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], pos_b)]
+    return d
+
+
+def plugin_state() -> dict:
+    """Whether our plugin touched vLLM in this process (it must not, unless an export is involved)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return {"config_hook": bool(getattr(EngineArgs.create_speculative_config, "_speculators_hook", False)),
+            "runner_hook": bool(getattr(GPUModelRunner.propose_draft_token_ids, "_speculators_hook", False))}
+
+
+def run_case(spec: dict, case: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    in_process = case.get("in_process", True)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    kwargs = dict(model=spec["target"], dtype=spec.get("dtype", "float32"), seed=0, enforce_eager=True,
+                  max_model_len=spec.get("max_model_len", 1024), disable_log_stats=False,
+                  kv_cache_memory_bytes=spec.get("kv_cache_bytes", 1 << 30), enable_prefix_caching=False)
+    if in_process:
+        kwargs["distributed_executor_backend"] = "uni"
+    if case.get("speculative_config") is not None:
+        kwargs["speculative_config"] = dict(case["speculative_config"])
+        # Per-request acceptance (vLLM >= 0.32): every verify step's accepted count, per prompt.
+        kwargs["per_request_spec_decode_metrics"] = "detailed"
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = time.perf_counter() - t0
+    sc = llm.llm_engine.vllm_config.speculative_config
+    result = {"name": case["name"], "method": getattr(sc, "method", None),
+              "num_speculative_tokens": getattr(sc, "num_speculative_tokens", None),
+              "additional_config": llm.llm_engine.vllm_config.additional_config, "startup_s": startup}
+    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=spec.get("ignore_eos", False))
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    bs = spec.get("batch_size") or len(prompts)
+    outputs, per_request, gen_s, n_tokens = [], [], 0.0, 0
+    before = spec_metrics(llm)
+    for i in range(0, len(prompts), bs):
+        t0 = time.perf_counter()
+        res = llm.generate(prompts[i : i + bs], sp, use_tqdm=False)
+        gen_s += time.perf_counter() - t0
+        for r in res:
+            c = r.outputs[0]
+            outputs.append(list(c.token_ids))
+            n_tokens += len(c.token_ids)
+            m = getattr(c, "spec_decode_metrics", None)
+            per_request.append(None if m is None else {"accepted": list(m.per_step_accepted),
+                                                       "drafted": list(m.per_step_drafted)})
+    result.update(outputs=outputs, spec=delta(spec_metrics(llm), before), per_request=per_request,
+                  generate_s=gen_s, tokens=n_tokens, plugin=plugin_state())
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return result
+
+
+def config_checks(spec: dict) -> dict:
+    """The plugin's routing decisions and errors, at engine-config time (no engine is started)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import speculators.vllm_plugin as plugin
+
+    medusa, mlp = spec["config_checks"]["medusa"], spec["config_checks"]["mlp_speculator"]
+
+    def engine_config(**kw):
+        args = EngineArgs(model=spec["target"], dtype="float32", max_model_len=512, enforce_eager=True, **kw)
+        return args.create_engine_config()
+
+    def outcome(**kw):
+        try:
+            cfg = engine_config(**kw)
+        except Exception as err:
+            return {"error": f"{type(err).__name__}: {err}"}
+        sc = cfg.speculative_config
+        return {"method": getattr(sc, "method", None), "model": getattr(sc, "model", None),
+                "k": getattr(sc, "num_speculative_tokens", None),
+                "export": (cfg.additional_config or {}).get(plugin.EXPORT_KEY)}
+
+    checks = {
+        "mlp_auto": outcome(speculative_config={"model": mlp, "num_speculative_tokens": 2}),
+        "mlp_default_k": outcome(speculative_config={"model": mlp}),
+        "mlp_method_name": outcome(speculative_config={"method": "mlp_speculator", "model": mlp,
+                                                       "num_speculative_tokens": 3}),
+        "medusa_custom_class": outcome(speculative_config={"method": "custom_class", "model": medusa,
+                                                           "num_speculative_tokens": 3}),
+        "medusa_native": outcome(speculative_config={"method": "medusa", "model": medusa,
+                                                     "num_speculative_tokens": 3}),
+        "spec_model_alias": outcome(spec_model=mlp, spec_tokens=3),
+        "too_many_tokens": outcome(speculative_config={"model": mlp, "num_speculative_tokens": 5}),
+        "ngram": outcome(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                             "prompt_lookup_max": 4}),
+        "none": outcome(),
+    }
+    # A Medusa directory that speculators did not write (no speculators_target key) stays vLLM's.
+    import shutil
+    import tempfile
+
+    foreign = Path(tempfile.mkdtemp()) / "foreign-medusa"
+    shutil.copytree(medusa, foreign)
+    cfg = json.loads((foreign / "config.json").read_text())
+    cfg.pop("speculators_target")
+    (foreign / "config.json").write_text(json.dumps(cfg))
+    checks["foreign_medusa"] = outcome(speculative_config={"model": str(foreign), "num_speculative_tokens": 3})
+    # An unsupported vLLM version: one clear error when an export is involved, nothing otherwise.
+    real = plugin.vllm_version
+    plugin.vllm_version = lambda: "0.34.0"
+    try:
+        checks["version_mismatch_export"] = outcome(speculative_config={"model": mlp, "num_speculative_tokens": 3})
+        checks["version_mismatch_plain"] = outcome()
+        checks["version_mismatch_ngram"] = outcome(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                       "prompt_lookup_max": 4})
+    finally:
+        plugin.vllm_version = real
+    return checks
+
+
+def main(spec_path: str, out_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    import vllm
+
+    import speculators
+
+    results = {"vllm_version": vllm.__version__, "speculators_path": speculators.__file__, "cases": []}
+    if spec.get("config_checks"):
+        results["config_checks"] = config_checks(spec)
+        print("driver: config checks done", file=sys.stderr, flush=True)
+    for case in spec["cases"]:
+        try:
+            results["cases"].append(run_case(spec, case))
+        except Exception as err:  # report it and go on: the test names the failing case
+            import traceback
+
+            traceback.print_exc()
+            results["cases"].append({"name": case["name"], "error": f"{type(err).__name__}: {err}"})
+        with open(out_path, "w") as f:  # after every case, so a crash still leaves the earlier ones
+            json.dump(results, f)
+        print(f"driver: {case['name']} done", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

