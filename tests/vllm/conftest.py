@@ -12,7 +12,7 @@ import pytest
 
 from pathlib import Path
 
-from vllm_harness import (DRIVER, MAX_TOKENS, N_PROMPTS, ROOT, THREADS, VLLM_VENV, build_draft_model, our_results,
+from vllm_harness import (DRIVER, HARNESS, MAX_TOKENS, N_PROMPTS, ROOT, THREADS, VLLM_VENV, build_draft_model,
                           running_under_ci, threads, train_export, vllm_cases)
 
 
@@ -41,25 +41,6 @@ def vllm_version(vllm_python) -> str:
 
 
 @pytest.fixture(scope="session")
-def exports(vllm_python, tmp_path_factory, default_target_dir) -> dict[str, Path]:
-    work = tmp_path_factory.mktemp("vllm-exports")
-    t0 = time.perf_counter()
-    with threads(max(THREADS, 1)):
-        out = {
-            # Medusa-1 style: ResBlocks on the frozen target's lm head (vLLM's original_lm_head).
-            "medusa": train_export("medusa", work, ["--medusa_shared_lm_head=true", "--lr=1.0e-2",
-                                                    "--stages=[{steps: 40}]"]),
-            # The quick recipe's shape: tied weights, 256-wide state.
-            "mlp_speculator": train_export("mlp_speculator", work, [
-                "--inner_dim=256", "--tie_weights=true", "--init_from_target=false", "--lr=3.0e-3",
-                "--stages=[{steps: 40}]"]),
-            "draft": build_draft_model(default_target_dir, work / "draft-4layers"),
-        }
-    print(f"\n[vllm tests] exports trained and written in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    return out
-
-
-@pytest.fixture(scope="session")
 def prompts(default_target_dir) -> list[list[int]]:
     from transformers import AutoTokenizer
 
@@ -70,35 +51,55 @@ def prompts(default_target_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def e2e(vllm_python, vllm_version, exports, prompts, default_target_dir, tmp_path_factory) -> dict:
-    """Run the vLLM driver (one process, cases in sequence) and, meanwhile, our decoder."""
+def e2e(vllm_python, vllm_version, prompts, default_target_dir, tmp_path_factory) -> dict:
+    """Train the exports while the vLLM driver and our side run everything that does not need them."""
     work = tmp_path_factory.mktemp("vllm-e2e")
+    exports = {"medusa": work / "medusa", "mlp_speculator": work / "mlp_speculator",
+               "draft": build_draft_model(default_target_dir, work / "draft-4layers")}
+    ready = work / "exports-ready.json"
     spec = {"target": str(default_target_dir), "dtype": "float32", "max_tokens": MAX_TOKENS, "prompts": prompts,
-            "cases": vllm_cases(exports, vllm_version), "config_checks": {"medusa": str(exports["medusa"]),
-                                                           "mlp_speculator": str(exports["mlp_speculator"])}}
+            "threads": THREADS, "ready_file": str(ready), "exports": {k: str(v) for k, v in exports.items()},
+            "cases": vllm_cases(exports, vllm_version),
+            "config_checks": {"medusa": str(exports["medusa"]), "mlp_speculator": str(exports["mlp_speculator"])}}
     (work / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("TRITON_INTERPRET", None)  # the main suite's kernel-interpreter switch is not for vLLM
-    log = open(work / "driver.log", "w")
+    vllm_env = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}  # the main suite's switch, not vLLM's
+    logs = {name: open(work / f"{name}.log", "w") for name in ("driver", "ours")}
     t0 = time.perf_counter()
-    proc = subprocess.Popen([str(vllm_python), str(DRIVER), str(work / "spec.json"), str(work / "out.json")],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    procs = {
+        "driver": subprocess.Popen([str(vllm_python), str(DRIVER), str(work / "spec.json"), str(work / "vllm.json")],
+                                   cwd=ROOT, env=vllm_env, stdout=logs["driver"], stderr=subprocess.STDOUT),
+        "ours": subprocess.Popen([sys.executable, str(HARNESS), str(work / "spec.json"), str(work / "ours.json")],
+                                 cwd=ROOT, env=env, stdout=logs["ours"], stderr=subprocess.STDOUT),
+    }
     try:
-        with threads(THREADS):
-            ours = our_results(exports, prompts)
-        t_ours = time.perf_counter() - t0
-        rc = proc.wait(timeout=900)
+        try:
+            with threads(THREADS):
+                train_export("medusa", work, ["--medusa_shared_lm_head=true", "--lr=1.0e-2", "--stages=[{steps: 40}]"])
+                train_export("mlp_speculator", work, ["--inner_dim=256", "--tie_weights=true",
+                                                      "--init_from_target=false", "--lr=3.0e-3",
+                                                      "--stages=[{steps: 40}]"])
+        except BaseException as err:
+            ready.write_text(json.dumps({"ok": False, "error": repr(err)}))
+            raise
+        ready.write_text(json.dumps({"ok": True}))
+        t_train = time.perf_counter() - t0
+        rcs = {name: p.wait(timeout=1200) for name, p in procs.items()}
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
-    t_vllm = time.perf_counter() - t0
-    tail = "".join((work / "driver.log").read_text().splitlines(keepends=True)[-40:])
-    if rc != 0 or not (work / "out.json").exists():
-        pytest.fail(f"the vLLM driver exited with {rc}; log {work / 'driver.log'}:\n{tail}", pytrace=False)
-    results = json.loads((work / "out.json").read_text())
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        for f in logs.values():
+            f.close()
+    for name, out in (("driver", "vllm.json"), ("ours", "ours.json")):
+        if rcs[name] != 0 or not (work / out).exists():
+            tail = "".join((work / f"{name}.log").read_text().splitlines(keepends=True)[-40:])
+            pytest.fail(f"the {name} process exited with {rcs[name]}; log {work / (name + '.log')}:\n{tail}",
+                        pytrace=False)
+    results = json.loads((work / "vllm.json").read_text())
     results["cases"] = {c["name"]: c for c in results["cases"]}
-    print(f"\n[vllm tests] driver {t_vllm:.0f} s (ours alongside: {t_ours:.0f} s); log {work / 'driver.log'}",
-          file=sys.stderr)
-    return {"vllm": results, "ours": ours, "log": work / "driver.log", "exports": exports, "version": vllm_version}
+    print(f"\n[vllm tests] exports trained in {t_train:.0f} s; vLLM driver and our engine done "
+          f"{time.perf_counter() - t0:.0f} s after start; logs in {work}", file=sys.stderr)
+    return {"vllm": results, "ours": json.loads((work / "ours.json").read_text()), "log": work / "driver.log",
+            "exports": exports, "version": vllm_version}

@@ -6,17 +6,20 @@ Runs in the vLLM venv (`.venv-vllm`, made by scripts/setup_vllm.sh), never in th
 
 SPEC.json:
     {"target": DIR, "dtype": "float32", "max_tokens": 64, "prompts": [[token ids], ...],
-     "max_model_len": 1024, "batch_size": 0,          # 0: all prompts in one generate() call
-     "cases": [{"name": "plain", "speculative_config": null, "in_process": true}, ...]}
+     "cases": [{"name": "plain", "speculative_config": null, "in_process": true, "needs_exports": false}, ...],
+     "ready_file": PATH,                  # optional: cases with needs_exports wait until it exists
+     "config_checks": {"medusa": DIR, "mlp_speculator": DIR}}   # optional: routing checks, no engine
 
-One case is one `LLM(...)`: `in_process` puts vLLM's engine core and worker in this process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni": ~5 s a start instead of ~25 s); otherwise vLLM's
-default multi-process layout, where our plugin is loaded from its entry point in every process.
+One case is one `LLM(...)`: `in_process` (the default) puts vLLM's engine core and worker in this
+process (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni": ~5 s a start instead of ~25 s); otherwise
+vLLM's default multi-process layout, where our plugin is loaded from its entry point in every process.
 Cases run one after the other; only one vLLM engine exists at a time.
 
-OUT.json, per case: outputs (token ids per prompt), the speculative method vLLM ended up with,
-`spec` = deltas of vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens /
-_num_accepted_tokens_per_pos over the generate() calls, seconds for start-up and generation.
+OUT.json, per case: outputs (token ids per prompt), the speculative method vLLM ended up with, `spec` =
+deltas of vLLM's Prometheus counters vllm:spec_decode_num_drafts / _num_draft_tokens /
+_num_accepted_tokens / _num_accepted_tokens_per_pos over the generate() call, `per_request` = vLLM's
+per-request metrics (per_request_spec_decode_metrics="detailed": accepted and drafted per verify step),
+whether the plugin's hooks are installed in this process, and seconds for start-up and generation.
 """
 
 from __future__ import annotations
@@ -176,10 +179,21 @@ def main(spec_path: str, out_path: str) -> None:
     import speculators
 
     results = {"vllm_version": vllm.__version__, "speculators_path": speculators.__file__, "cases": []}
-    if spec.get("config_checks"):
-        results["config_checks"] = config_checks(spec)
-        print("driver: config checks done", file=sys.stderr, flush=True)
+
+    def save():  # after every step, so a crash still leaves what ran
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+
+    exports_ready = False
     for case in spec["cases"]:
+        if case.get("needs_exports") and not exports_ready:
+            if spec.get("ready_file"):  # the exports are being trained while the first cases run
+                wait_for_ready(Path(spec["ready_file"]))
+            exports_ready = True
+            if spec.get("config_checks"):
+                results["config_checks"] = config_checks(spec)
+                save()
+                print("driver: config checks done", file=sys.stderr, flush=True)
         try:
             results["cases"].append(run_case(spec, case))
         except Exception as err:  # report it and go on: the test names the failing case
@@ -187,9 +201,22 @@ def main(spec_path: str, out_path: str) -> None:
 
             traceback.print_exc()
             results["cases"].append({"name": case["name"], "error": f"{type(err).__name__}: {err}"})
-        with open(out_path, "w") as f:  # after every case, so a crash still leaves the earlier ones
-            json.dump(results, f)
+        save()
         print(f"driver: {case['name']} done", file=sys.stderr, flush=True)
+    if spec.get("config_checks") and "config_checks" not in results:
+        results["config_checks"] = config_checks(spec)
+        save()
+
+
+def wait_for_ready(ready_file: Path, timeout: float = 1200.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {ready_file} after {timeout:.0f} s")
+        time.sleep(0.5)
+    state = json.loads(ready_file.read_text())
+    if not state.get("ok"):
+        raise RuntimeError(f"the exports were not built: {state.get('error')}")
 
 
 if __name__ == "__main__":
