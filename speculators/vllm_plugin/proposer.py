@@ -48,22 +48,28 @@ class SpeculatorsProposer:
         self.kind = export.get("kind")
         self.num_speculative_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.dtype = vllm_config.model_config.dtype
+        self.target_sizes = _target_sizes(vllm_config.model_config)  # (vocab, hidden) or None
         self.heads = None  # the speculator; filled by load_model
         self._hidden = None  # the runner's sample_hidden_states for the current step
         self._spec_meta = None  # the runner's spec_decode_metadata for the current step
         install_runner_hook()
 
     def load_model(self, target_model=None, *args, **kwargs) -> None:
-        from ..models import MODEL_TYPES
-        from ..models.base import CheckpointError
-
         import json
         from pathlib import Path
+
+        from ..models import MODEL_TYPES
+        from ..models.base import CheckpointError
 
         kind = json.loads((Path(self.export_dir) / "config.json").read_text()).get("model_type")
         if kind not in MODEL_TYPES:
             raise CheckpointError(f"{self.export_dir}: model_type {kind!r} is not one of {sorted(MODEL_TYPES)}")
         heads = MODEL_TYPES[kind].from_pretrained(self.export_dir)
+        c = heads.config
+        sizes = (c.vocab_size, c.emb_dim if kind == "mlp_speculator" else c.hidden_size)
+        if self.target_sizes is not None and sizes != self.target_sizes:
+            raise CheckpointError(f"{self.export_dir} has (vocab, hidden) = {sizes}, the target {self.target_sizes}; "
+                                  f"train the speculator for this target")
         device = torch.device("cpu")
         if target_model is not None:
             param = next(iter(target_model.parameters()), None)
@@ -109,6 +115,13 @@ class SpeculatorsProposer:
         for i, row in zip(live, out.tolist()):
             drafts[i] = row
         return drafts
+
+
+def _target_sizes(model_config) -> tuple[int, int] | None:
+    try:
+        return model_config.get_vocab_size(), model_config.get_hidden_size()
+    except Exception:
+        return None
 
 
 def install_runner_hook() -> None:

@@ -90,7 +90,9 @@ def route_export(engine_args, target_model_config=None) -> bool:
         return False
     if method not in (None, "custom_class", kind):
         return False  # an explicit other method (e.g. draft_model) is the user's call; vLLM reports on it
-    # Ours to route. Merge the --spec-* aliases exactly as vLLM would (it refuses a key given both ways).
+    # Ours to route: on a vLLM we have not checked, stop here with one message.
+    version = check_vllm_version()
+    # Merge the --spec-* aliases exactly as vLLM would (it refuses a key given both ways).
     for attr, key in _ALIASES:
         value = aliases[key]
         if value is None:
@@ -99,7 +101,6 @@ def route_export(engine_args, target_model_config=None) -> bool:
             raise ValueError(f"--{attr.replace('_', '-')} and --speculative-config['{key}'] are mutually exclusive")
         spec[key] = value
         setattr(engine_args, attr, None)
-    version = check_vllm_version()
     export_dir = str(Path(model).expanduser().resolve())
     heads = num_heads(cfg)
     k = spec.get("num_speculative_tokens") or heads
@@ -116,6 +117,7 @@ def route_export(engine_args, target_model_config=None) -> bool:
         additional = {}
     if not isinstance(additional, dict):
         raise ValueError(f"additional_config must be a dict to carry the speculators export, got {type(additional)}")
+    additional = dict(additional)  # the caller's dict stays as it was
     additional[EXPORT_KEY] = {"export_dir": export_dir, "kind": kind}
     engine_args.additional_config = additional
     spec.update(method="custom_class", model=PROPOSER_CLASS, num_speculative_tokens=k)
@@ -132,7 +134,7 @@ def _check_target(cfg: dict, export_dir: str, target_model_config) -> None:
     try:
         vocab = target_model_config.get_vocab_size()
         hidden = target_model_config.get_hidden_size()
-    except Exception:  # an exotic config: the proposer checks shapes again when it loads
+    except Exception:  # an exotic config: the proposer checks the sizes again when it loads
         return
     want_hidden = cfg.get("emb_dim", cfg.get("hidden_size"))
     if cfg.get("vocab_size") != vocab or want_hidden != hidden:
