@@ -44,7 +44,11 @@ class TrainConfig:
     inner_dim: int = 0
     tie_weights: bool = False
     scale_input: bool = True
-    init_from_target: bool = True  # start embeddings / lm heads from the target's
+    # How the speculator starts: "random"; "target" (embeddings and lm heads copied from the target's);
+    # "regression" (MLP speculator only: every stage starts as the least-squares linear predictor of the
+    # target's next hidden state, read out through the target's frozen lm head; see trainer.regression_init).
+    init: str = "target"
+    init_samples: int = 1000  # init: regression — training rows the least-squares fit reads
     medusa_layers: int = 1
     medusa_shared_lm_head: bool = False  # True: the target's frozen lm head (vLLM original_lm_head)
     # loss
@@ -84,6 +88,7 @@ class TrainConfig:
             "mixed_precision": ("bf16", "fp32"),
             "report_to": ("none", "wandb", "tensorboard"),
             "teacher": ("auto", "hidden", "logits"),
+            "init": ("random", "target", "regression"),
         }
         for key, allowed in checks.items():
             if getattr(self, key) not in allowed:
@@ -93,6 +98,9 @@ class TrainConfig:
                 raise ConfigError(f"stage {s.name}: data={s.data!r} is not 'dataset' or 'target'")
             if s.prompts not in ("chat", "prefix"):
                 raise ConfigError(f"stage {s.name}: prompts={s.prompts!r} is not 'chat' or 'prefix'")
+        if self.init == "regression":
+            if self.kind != "mlp_speculator" or self.scale_input:
+                raise ConfigError("init: regression is for kind: mlp_speculator with scale_input: false")
         if self.batch_size % self.micro_batch_size:
             raise ConfigError("batch_size must be a multiple of micro_batch_size")
 

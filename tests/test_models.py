@@ -128,3 +128,30 @@ def test_round_trip(tmp_path, make):
         assert torch.equal(a, b), k
     h = torch.randn(3, D)
     assert torch.equal(m.propose(h, torch.tensor([1, 2, 3]), 2), back.propose(h, torch.tensor([1, 2, 3]), 2))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_mlp_regression_init_is_the_linear_predictor(tie):
+    """After init_regression every stage computes scale * normalise(A·state + t[tok]) and reads it out
+    through the target's head W: the signed [p; -p] construction is exact, not approximate."""
+    m = MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, inner_dim=2 * D, n_predict=3, tie_weights=tie))
+    torch.manual_seed(1)
+    A, tv, W = torch.randn(D, D) / D**0.5, torch.randn(V, D), torch.randn(V, D)
+    m.init_regression(A, tv, W, scale=1.7)
+    h, tok = torch.randn(6, D), torch.randint(0, V, (6,))
+    expected, x, t = [], h, tok
+    for _ in range(3):
+        p = x @ A.T + tv[t]
+        x = 1.7 * p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + 1e-6)
+        t = (x @ W.T).argmax(-1)
+        expected.append(t)
+    assert torch.equal(m.propose(h, tok, 3), torch.stack(expected, 1))
+    states = m(h[None], torch.cat([tok[:1], tok[:-1]])[None])  # stage 0 at position 0 reads ids[1] = tok[0]
+    folded = states[0, 0, 0, :D] - states[0, 0, 0, D:]
+    p = h[0] @ A.T + tv[tok[0]]
+    torch.testing.assert_close(folded, 1.7 * p * torch.rsqrt(p.pow(2).mean() + 1e-6), rtol=1e-4, atol=1e-4)
+
+
+def test_mlp_regression_init_needs_the_signed_width():
+    with pytest.raises(ValueError, match="inner_dim = 2"):
+        mlp(inner=INNER).init_regression(torch.eye(D), torch.zeros(V, D), torch.zeros(V, D), 1.0)

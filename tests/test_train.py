@@ -65,13 +65,27 @@ def test_resume_is_exact(tmp_path, tiny_target_dir, chat_file, isolated_cache):
         assert torch.equal(a[name], b[name]), name
 
 
-def test_ddp_matches_single_process(tmp_path, tiny_target_dir, chat_file, isolated_cache):
-    # Tokenize once, so both launches read the same cached set.
+def test_regression_init_learns_with_the_target_head_frozen(tmp_path, tiny_target_dir, chat_file, isolated_cache):
+    out = tmp_path / "run"
+    train_in_process(overrides(tiny_target_dir, chat_file, out, steps=8, init="regression", scale_input=False,
+                               tie_weights=True, lr=3e-3))
+    hist = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert hist[-1]["loss"] < 0.97 * hist[0]["loss"], hist
+    from speculators.target import Target
+
+    lm_head = Target.load(str(tiny_target_dir)).lm_head.weight
+    assert torch.equal(weights(out)["head.0.weight"], torch.cat([lm_head, -lm_head], 1))
+
+
+@pytest.mark.parametrize("init", ["target", "regression"])
+def test_ddp_matches_single_process(tmp_path, tiny_target_dir, chat_file, isolated_cache, init):
+    # regression: each process sums its rows' normal equations, so the fit must still match.
+    extra = {"init": init, "scale_input": False} if init == "regression" else {}
     single, ddp = tmp_path / "single", tmp_path / "ddp"
-    p1 = run(overrides(tiny_target_dir, chat_file, single, steps=4),
+    p1 = run(overrides(tiny_target_dir, chat_file, single, steps=4, **extra),
              [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu"])
     assert p1.returncode == 0, p1.stderr[-3000:]
-    p2 = run(overrides(tiny_target_dir, chat_file, ddp, steps=4),
+    p2 = run(overrides(tiny_target_dir, chat_file, ddp, steps=4, **extra),
              [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--main_process_port", "29531"])
     assert p2.returncode == 0, p2.stderr[-3000:]
@@ -111,3 +125,7 @@ def test_bad_input(tmp_path, tiny_target_dir, chat_file, isolated_cache):
     one_line_error(run(overrides(tiny_target_dir, chat_file, out)), "not empty")
     assert (out / "notes.txt").read_text() == "mine"
     one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh") + ["--resume"]), "no checkpoint")
+    one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh", init="regression")), "scale_input")
+    one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh", init="regression",
+                                 scale_input=False, inner_dim=10)), "inner_dim")
+    assert not (tmp_path / "fresh").exists()

@@ -145,6 +145,31 @@ class MLPSpeculator(SpeculatorModel):
                 emb.weight.copy_(embed)
             self.head_weight.copy_(lm_head.expand_as(self.head_weight))
 
+    def init_regression(self, A: torch.Tensor, token_vectors: torch.Tensor, lm_head: torch.Tensor,
+                        scale: float) -> None:
+        """Start every stage as the linear next-hidden-state predictor p = A·state + token_vectors[tok],
+        normalised to `scale` and read out through the target's lm head W (kept frozen by the trainer).
+
+        Needs inner_dim = 2·D. The pre-norm state is [p; -p]: its RMS is p's, so the norm gives
+        y = scale·[p; -p]/rms(p); GELU(y) - GELU(-y) = y for every y, so the head [W, -W] yields
+        W·y — the target's logits for the predicted hidden state — and a later stage recovers y from
+        [GELU(y); GELU(-y)] with the same signed trick in its projection.
+        """
+        c = self.config
+        D = c.emb_dim
+        if c.inner_dim != 2 * D or c.scale_input:
+            raise ValueError(f"init_regression needs inner_dim = 2 x {D} and scale_input false")
+        with torch.no_grad():
+            self.proj[0].weight.copy_(torch.cat([A, -A]))
+            for proj in self.proj[1:]:
+                proj.weight.copy_(torch.cat([torch.cat([A, -A], 1), torch.cat([-A, A], 1)]))
+            for emb in self.emb:  # forward() scales embeddings by emb_weight / state_weight
+                emb.weight.copy_(torch.cat([token_vectors, -token_vectors], 1) * (self.state_weight / self.emb_weight))
+            for ln in self.ln:
+                ln.weight.fill_(scale)
+                ln.bias.zero_()
+            self.head_weight.copy_(torch.cat([lm_head, -lm_head], 1).expand_as(self.head_weight))
+
     # vLLM names: emb.{i}.weight, proj.{i}.weight, ln.{i}.weight/bias, head.{i}.weight
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
         sd = {k: v for k, v in self.state_dict().items() if k != "head_weight"}
