@@ -158,7 +158,7 @@ def generate_rows(model, tokenizer, prompts: list[list[int]], stage: Stage, seed
         out = model.generate(
             input_ids=ids.to(model.device), attention_mask=attn.to(model.device), max_new_tokens=stage.gen_tokens,
             do_sample=sample, temperature=stage.gen_temperature if sample else None,
-            # top_p pinned: a model's generation_config (Qwen's says 0.8) must not narrow the stage's sampling
+            # top_p pinned: a model's generation_config (upstream Qwen2.5 ships 0.8) must not narrow the stage's sampling
             top_k=stage.gen_top_k if sample else None, top_p=1.0 if sample else None, pad_token_id=pad)
         for p, seq in zip(chunk, out[:, width:].tolist()):
             gen = seq[: next((j + 1 for j, t in enumerate(seq) if t == eos), len(seq))]
