@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from speculators.config import ConfigError, Stage, TrainConfig, load_config
-from speculators.draft import DraftModel, build_draft, check_vocab
+from speculators.draft import build_draft, check_vocab
 from speculators.engine import DraftModelProposer, SamplingParams, SpeculativeDecoder
 from speculators.kernels.divergence_reference import per_token_divergence
 from speculators.target import Target
