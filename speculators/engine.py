@@ -70,6 +70,49 @@ class HeadProposer:
         return drafts[0].tolist()
 
 
+class DraftModelProposer:
+    """A DistillSpec draft: any causal LM with the target's vocabulary runs k steps of its own decoding,
+    keeping its KV cache across verification steps (cropped back to the prefix the target accepted).
+    Greedy: the argmax chain. Sampled: it samples its own distribution at the request's temperature and
+    returns those probabilities, so verification applies min(1, p/q) and the output keeps the target's
+    distribution (no top-k/top-p on the draft side: any q is exact as long as it is what was sampled)."""
+
+    needs_hidden = False
+
+    def __init__(self, model):
+        self.model = model.eval()
+        self.cache, self.cached = None, []  # the draft's KV cache and the tokens it holds
+
+    @torch.no_grad()
+    def propose(self, history: list[int], k: int, sp: SamplingParams, seed: int) -> tuple[list[int], torch.Tensor | None]:
+        keep = 0
+        limit = min(len(self.cached), len(history) - 1)  # at least one new token must be fed
+        while keep < limit and self.cached[keep] == history[keep]:
+            keep += 1
+        if keep == 0:
+            self.cache, self.cached = DynamicCache(), []
+        elif len(self.cached) > keep:
+            self.cache.crop(keep - len(self.cached))
+            self.cached = self.cached[:keep]
+        greedy = sp.temperature == 0
+        gen = None if greedy else torch.Generator().manual_seed(seed)
+        feed, drafts, probs = history[keep:], [], []
+        device = next(self.model.parameters()).device
+        for _ in range(k):
+            logits = self.model(input_ids=torch.tensor([feed], device=device), past_key_values=self.cache,
+                                use_cache=True, logits_to_keep=1).logits[0, -1].float().cpu()
+            self.cached += feed
+            if greedy:
+                token = int(logits.argmax())
+            else:
+                q = torch.softmax(logits / sp.temperature, -1)
+                token = int(torch.multinomial(q, 1, generator=gen))
+                probs.append(q)
+            drafts.append(token)
+            feed = [token]
+        return drafts, (torch.stack(probs) if probs else None)
+
+
 class SpeculativeDecoder:
     def __init__(self, target: Target, proposer=None, k: int = 3):
         self.target, self.proposer, self.k = target, proposer, k
@@ -88,10 +131,10 @@ class SpeculativeDecoder:
         stats.tokens.append(token)
         while len(stats.tokens) < sp.max_new_tokens and token not in self.eos:
             step += 1
-            drafts = self._propose(history, hidden, token)
+            drafts, draft_probs = self._propose(history, hidden, token, sp, step)
             inp = torch.tensor([[token] + drafts])
             out = self.target(inp, past_key_values=cache, use_cache=True)
-            emitted, n_acc = self._verify(out.logits[0], drafts, sp, step)
+            emitted, n_acc = self._verify(out.logits[0], drafts, sp, step, draft_probs)
             stats.target_forwards += 1
             for j in range(len(drafts)):
                 stats.drafted[j] += 1
@@ -114,14 +157,18 @@ class SpeculativeDecoder:
         out, _ = self._verify(logits[None], [], sp, step)
         return out[0]
 
-    def _propose(self, history, hidden, token) -> list[int]:
+    def _propose(self, history, hidden, token, sp, step) -> tuple[list[int], torch.Tensor | None]:
+        """(drafts, their [n, V] draft probabilities or None for one-hot drafts)."""
         if self.proposer is None or self.k == 0:
-            return []
+            return [], None
         if self.proposer.needs_hidden:
-            return self.proposer.propose(hidden, token, self.k)
-        return self.proposer.propose(history, self.k)
+            return self.proposer.propose(hidden, token, self.k), None
+        if isinstance(self.proposer, DraftModelProposer):
+            # its own seed stream, independent of verification's counter-based one
+            return self.proposer.propose(history, self.k, sp, sp.seed * 1_000_003 + step)
+        return self.proposer.propose(history, self.k), None
 
-    def _verify(self, logits: torch.Tensor, drafts: list[int], sp: SamplingParams, step: int):
+    def _verify(self, logits: torch.Tensor, drafts: list[int], sp: SamplingParams, step: int, draft_probs=None):
         """(emitted tokens, number of accepted drafts) for one request's [n+1, V] logits."""
         n, width = len(drafts), max(self.k, 1)
         draft_tokens = torch.tensor([drafts + [0] * (width - n)], dtype=torch.long)
@@ -137,6 +184,10 @@ class SpeculativeDecoder:
                 top_p=torch.tensor([sp.top_p]),
                 seeds=torch.tensor([sp.seed * 1_000_003 + step]),
             )
+            if draft_probs is not None:
+                q = target_logits.new_zeros(1, width, logits.shape[-1])
+                q[0, :n] = draft_probs
+                kwargs["draft_probs"] = q
         tokens, n_acc = rejection_sample(target_logits, draft_tokens, torch.tensor([n]), **kwargs)
         n_acc = int(n_acc[0])
         return tokens[0, : n_acc + 1].tolist(), n_acc

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .assets import DEFAULT_TARGET, AssetError, default_target_dir
+from .assets import CHUNKED_MODELS, DEFAULT_TARGET, AssetError, chunked_model_dir, default_target_dir
 
 # Offline by default: nothing here reaches the Hub unless the user says HF_HUB_OFFLINE=0.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,6 +23,8 @@ def resolve_model_path(name: str) -> tuple[str, str | None]:
     """(directory or Hub id, gguf file name or None) for a user-given model name."""
     if name == DEFAULT_TARGET:
         return str(default_target_dir()), None
+    if name in CHUNKED_MODELS:
+        return str(chunked_model_dir(name)), None
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from .config import ConfigError, Stage, TrainConfig
 from .data import build_dataset, chat_ids, check_source, collate, prompts_from
+from .draft import build_draft
 from .kernels.fused_linear_divergence import fused_linear_divergence
 from .models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculatorConfig
 from .models.base import atomic_write_dir
@@ -105,25 +106,38 @@ def regression_init(model: MLPSpeculator, target: Target, dataset: Dataset, cfg:
                           scale=float((stats[0] / stats[1]).sqrt()))
 
 
+def label_shifts(model, cfg: TrainConfig) -> list[int]:
+    """Per head, how far ahead its label lies: a draft model predicts token t+1, like the target (its
+    teacher is the target at the same position t); speculator head i predicts token t+i+2 (its
+    teacher is the target at t+i+1, after the token the target itself samples at t)."""
+    if cfg.kind == "draft_model":
+        return [1]
+    c = model.config
+    return [i + 2 for i in range(c.n_predict if hasattr(c, "n_predict") else c.num_heads)]
+
+
 def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normalizer: float) -> tuple[torch.Tensor, int]:
-    """(loss / normalizer, number of loss tokens) for one micro-batch."""
+    """(loss / normalizer, number of loss tokens) for one micro-batch, for every proposer kind."""
     ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     use_teacher = cfg.divergence != "ce"
     teacher_mode = cfg.teacher if cfg.teacher != "auto" else ("hidden" if ids.is_cuda else "logits")
     out = target(ids, attn, logits=use_teacher and teacher_mode == "logits")
     hidden = out.hidden
-    states = model(hidden.to(torch.float32), ids)  # [H, B, T, inner]
-    head = getattr(model, "module", model).head_weights()  # DDP wraps the model in .module
-    if cfg.init == "regression":
+    if cfg.kind == "draft_model":
+        states = model(ids, attn)  # [1, B, T, D]: the draft's own final hidden states
+    else:
+        states = model(hidden.to(torch.float32), ids)  # [H, B, T, inner]
+    unwrapped = getattr(model, "module", model)  # DDP wraps the model in .module
+    shifts = label_shifts(unwrapped, cfg)
+    head = unwrapped.head_weights()
+    if cfg.kind == "mlp_speculator" and cfg.init == "regression":
         # The head stays [W, -W] with W the target's lm head (frozen), so logits = W·(s[:D] - s[D:]):
         # half the GEMM width, and no weight gradient.
         d = states.shape[-1] // 2
         states, head = states[..., :d] - states[..., d:], target.lm_head.weight
     n_heads, (bsz, seq) = states.shape[0], ids.shape
     labels = []
-    for i in range(n_heads):
-        # head i at position t: label is token t+i+2, teacher is the target's prediction at t+i+1
-        shift = i + 2
+    for shift in shifts:
         lab = torch.full_like(ids, -100)
         ok = (mask[:, shift:] * attn[:, shift:]).bool()
         lab[:, : seq - shift] = torch.where(ok, ids[:, shift:], -100)
@@ -135,8 +149,9 @@ def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normal
     student = states.reshape(n_heads, bsz * seq, -1)[:, rows].float()
     teacher = {}
     if use_teacher:
-        # flat index of position t+i+1 in the same sequence; never read where the label is ignored
-        src = (rows[None] + torch.arange(1, n_heads + 1, device=rows.device)[:, None]).clamp(max=bsz * seq - 1)
+        # flat index of the teacher's position t+shift-1 in the same sequence; never read where the label is ignored
+        ahead = torch.tensor(shifts, device=rows.device)[:, None] - 1
+        src = (rows[None] + ahead).clamp(max=bsz * seq - 1)
         if teacher_mode == "logits":
             teacher["teacher_logits"] = out.logits.view(bsz * seq, -1)[src]
         else:
@@ -167,39 +182,71 @@ def lr_at(step_in_stage: int, stage: Stage, cfg: TrainConfig) -> float:
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def stage_prompts(tokenizer, source: Dataset, stage: Stage, cfg: TrainConfig) -> list[list[int]]:
+    """A generating stage's prompts: the data set's first user turns, chat-templated (the model
+    answers), or prefixes of data-set rows (IBM stage 2)."""
+    if stage.prompts == "chat":
+        chats = (chat_ids(tokenizer, m) for m in prompts_from(cfg.data, None, cfg.seed))
+        return list(itertools.islice((ids for ids in chats if len(ids) <= stage.prompt_tokens), stage.num_prompts))
+    g = torch.Generator().manual_seed(cfg.seed)
+    picks = torch.randperm(len(source), generator=g)[: stage.num_prompts].tolist()
+    return [source[i]["input_ids"][: stage.prompt_tokens] for i in picks]
+
+
+@torch.no_grad()
+def generate_rows(model, tokenizer, prompts: list[list[int]], stage: Stage, seed: int, bar=None) -> list[dict]:
+    """Continuations `model` generates (sampled, or greedy when gen_temperature is 0), 16 prompts at a
+    time; the chunk at offset `start` is seeded with seed + start, so the rows are a function of the
+    model, the prompts and the seed. Rows hold prompt + continuation, the loss on the continuation."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    was_training = model.training
+    model.eval()
+    rows = []
+    for start in range(0, len(prompts), 16):
+        chunk = prompts[start : start + 16]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])  # left-pad for generation
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        torch.manual_seed(seed + start)
+        sample = stage.gen_temperature > 0
+        out = model.generate(
+            input_ids=ids.to(model.device), attention_mask=attn.to(model.device), max_new_tokens=stage.gen_tokens,
+            do_sample=sample, temperature=stage.gen_temperature if sample else None,
+            # top_p pinned: a model's generation_config (upstream Qwen2.5 ships 0.8) must not narrow the stage's sampling
+            top_k=stage.gen_top_k if sample else None, top_p=1.0 if sample else None, pad_token_id=pad)
+        for p, seq in zip(chunk, out[:, width:].tolist()):
+            gen = seq[: next((j + 1 for j, t in enumerate(seq) if t == eos), len(seq))]
+            rows.append({"input_ids": p + gen, "loss_mask": [0] * len(p) + [1] * len(gen)})
+        if bar is not None:
+            bar.update(len(chunk))
+    model.train(was_training)
+    return rows
+
+
 def target_generated_dataset(target: Target, source: Dataset, stage: Stage, cfg: TrainConfig, rank: int,
                              world: int) -> Dataset:
-    """Continuations the target generates (sampled, or greedy when gen_temperature is 0): its answers to
-    the data set's first user turns, or continuations of row prefixes (IBM stage 2). Each process
-    generates its own share of the prompts."""
-    pad = target.tokenizer.pad_token_id
-    rows = []
-    if stage.prompts == "chat":
-        chats = (chat_ids(target.tokenizer, m) for m in prompts_from(cfg.data, None, cfg.seed))
-        all_prompts = list(itertools.islice((ids for ids in chats if len(ids) <= stage.prompt_tokens), stage.num_prompts))
-    else:
-        g = torch.Generator().manual_seed(cfg.seed)
-        picks = torch.randperm(len(source), generator=g)[: stage.num_prompts].tolist()
-        all_prompts = [source[i]["input_ids"][: stage.prompt_tokens] for i in picks]
-    mine = all_prompts[rank::world]
+    """The target's continuations of the stage's prompts (SeqKD); each process generates its own share."""
+    mine = stage_prompts(target.tokenizer, source, stage, cfg)[rank::world]
     bar = tqdm(total=len(mine), desc=f"[{stage.name}] target generates", disable=rank != 0, unit="prompt")
-    for start in range(0, len(mine), 16):
-        prompts = mine[start : start + 16]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left-pad for generation
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        torch.manual_seed(cfg.seed + 1000 * rank + start)
-        sample = stage.gen_temperature > 0
-        out = target.model.generate(
-            input_ids=ids, attention_mask=attn, max_new_tokens=stage.gen_tokens, do_sample=sample,
-            temperature=stage.gen_temperature if sample else None, top_k=stage.gen_top_k if sample else None,
-            top_p=None, pad_token_id=pad)
-        for p, seq in zip(prompts, out[:, width:].tolist()):
-            gen = seq[: next((j + 1 for j, t in enumerate(seq) if t == target.tokenizer.eos_token_id), len(seq))]
-            rows.append({"input_ids": p + gen, "loss_mask": [0] * len(p) + [1] * len(gen)})
-        bar.update(len(prompts))
+    rows = generate_rows(target.model, target.tokenizer, mine, stage, cfg.seed + 1000 * rank, bar)
     bar.close()
     return Dataset.from_list(rows)
+
+
+def onpolicy_seed(cfg: TrainConfig, step: int, rank: int) -> int:
+    """Seed of the draft's samples at one optimizer step on one process (resume regenerates them exactly)."""
+    return (cfg.seed * 1_000_003 + step) * 1_000_003 + rank * 65_536
+
+
+def takes_onpolicy_batch(cfg: TrainConfig, stage: Stage, step: int) -> bool:
+    """GKD's mixture: on-policy with probability lambda, one seeded draw per optimizer step, the same on
+    every process (a 'draft' stage is on-policy always)."""
+    if stage.data == "draft":
+        return True
+    if not stage.onpolicy_fraction:
+        return False
+    coin = torch.rand(1, generator=torch.Generator().manual_seed(cfg.seed * 7919 + step)).item()
+    return coin < stage.onpolicy_fraction
 
 
 class Trainer:
@@ -220,11 +267,14 @@ class Trainer:
         self.acc.wait_for_everyone()
         if self.dataset is None:
             self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.seq_len, cfg.max_samples, cfg.seed)
-        model = build_speculator(cfg, self.target)
-        if self.acc.is_main_process:  # only now: bad input above leaves no directory behind
+        model = build_draft(cfg, self.target) if cfg.kind == "draft_model" else build_speculator(cfg, self.target)
+        if self.acc.is_main_process:  # only now: bad input above (a draft's vocabulary too) leaves no directory behind
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        if cfg.init == "regression":
+            if cfg.kind == "draft_model" and not resume:
+                model.save_pretrained(self.out / "initial")  # the undistilled draft, eval's baseline
+        self.shifts = label_shifts(model, cfg)
+        if cfg.kind == "mlp_speculator" and cfg.init == "regression":
             model.head_weight.requires_grad_(False)
             if not resume:  # a resumed run loads its checkpoint instead
                 regression_init(model, self.target, self.dataset, cfg, self.acc)
@@ -256,9 +306,11 @@ class Trainer:
             start += stage.steps
         raise IndexError(step)
 
-    def stage_data(self, idx: int, stage: Stage) -> Dataset:
+    def stage_data(self, idx: int, stage: Stage) -> Dataset | None:
         if stage.data == "dataset":
             return self.dataset
+        if stage.data == "draft":
+            return None  # generated step by step
         # Generated once per process and kept beside the checkpoints, so --resume reuses it.
         path = self.out / "generated" / f"{stage.name}-rank{self.acc.process_index}"
         if path.exists():
@@ -267,6 +319,20 @@ class Trainer:
                                       self.acc.num_processes)
         ds.save_to_disk(str(path))
         return ds
+
+    def onpolicy_rows(self, idx: int, stage: Stage, step_in_stage: int) -> list[dict]:
+        """This process's share of one step's on-policy rows: the stage's prompts in a seeded order, each
+        continued by the draft as it is now (sampled at gen_temperature); the target scores them in the
+        loss of this same step."""
+        if getattr(self, "_prompts_idx", None) != idx:
+            self._prompts_idx = idx
+            self._prompts = [{"input_ids": p} for p in stage_prompts(self.tokenizer, self.dataset, stage, self.cfg)]
+            if not self._prompts:
+                raise ConfigError(f"stage {stage.name}: no prompt of at most prompt_tokens={stage.prompt_tokens} tokens")
+        prompts = [r["input_ids"] for r in self.step_rows(self._prompts, stage, step_in_stage, per_process=False)]
+        draft = self.unwrapped.lm
+        return generate_rows(draft, self.tokenizer, prompts, stage,
+                             onpolicy_seed(self.cfg, self.step, self.acc.process_index))
 
     def step_rows(self, data: Dataset, stage: Stage, step_in_stage: int, per_process: bool) -> list[dict]:
         """This process's rows for one optimizer step: a seeded permutation per epoch, the global
@@ -290,15 +356,22 @@ class Trainer:
         bar = tqdm(total=cfg.total_steps, initial=self.step, disable=not acc.is_main_process, unit="step",
                    desc="distill")
         tokens_seen, t0 = 0, time.perf_counter()
+        # steps on the draft's own samples (this session); the draw per step is seeded, see takes_onpolicy_batch
+        self.onpolicy_steps = 0
         data_idx, data = -1, None
         while self.step < cfg.total_steps:
             idx, stage, in_stage = self.stage_at(self.step)
             if idx != data_idx:
                 data_idx, data = idx, self.stage_data(idx, stage)
-            rows = self.step_rows(data, stage, in_stage, per_process=stage.data == "target")
+            onpolicy = takes_onpolicy_batch(cfg, stage, self.step)
+            if onpolicy:
+                self.onpolicy_steps += 1
+                rows = self.onpolicy_rows(idx, stage, in_stage)
+            else:
+                rows = self.step_rows(data, stage, in_stage, per_process=stage.data == "target")
             batches = [collate(rows[i : i + micro], self.tokenizer.pad_token_id) for i in range(0, len(rows), micro)]
             # global loss-token count, so every process divides by the same number
-            local = sum(_loss_tokens(b, self.unwrapped) for b in batches)
+            local = sum(_loss_tokens(b, self.shifts) for b in batches)
             total = acc.reduce(torch.tensor(float(local), device=acc.device), reduction="sum").item()
             lr = lr_at(in_stage, stage, cfg)
             for group in self.optim.param_groups:
@@ -324,7 +397,8 @@ class Trainer:
             bar.set_postfix(loss=f"{loss_global:.3f}", tok_s=f"{rate:.0f}", lr=f"{lr:.1e}", stage=stage.name)
             bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == cfg.total_steps:
-                metrics = {"loss": loss_global, "lr": lr, "tokens_per_s": rate, "stage": idx}
+                metrics = {"loss": loss_global, "lr": lr, "tokens_per_s": rate, "stage": idx,
+                           "onpolicy": onpolicy, "onpolicy_steps": self.onpolicy_steps}
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
                 acc.log(metrics, step=self.step)
@@ -380,11 +454,10 @@ class Trainer:
         self.step = state["step"]
 
 
-def _loss_tokens(batch: dict, model) -> int:
-    """Loss positions summed over heads (head i needs token t+i+2 inside the sequence)."""
+def _loss_tokens(batch: dict, shifts: list[int]) -> int:
+    """Loss positions summed over heads (a label `shift` tokens ahead must lie inside the sequence)."""
     mask = batch["loss_mask"] * batch["attention_mask"]
-    n_heads = model.config.n_predict if hasattr(model.config, "n_predict") else model.config.num_heads
-    return sum(int(mask[:, i + 2 :].sum()) for i in range(n_heads))
+    return sum(int(mask[:, shift:].sum()) for shift in shifts)
 
 
 def _flatten_optimizer(sd: dict) -> tuple[dict, dict]:
