@@ -2,6 +2,7 @@
 in one line with a non-zero exit and nothing overwritten."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -45,6 +46,10 @@ def test_export_mlp(tmp_path, mlp_ckpt):
     assert cfg["model_type"] == "mlp_speculator" and cfg["emb_dim"] == 64
     card = (tmp_path / "out" / "README.md").read_text()
     assert "speculative_model=" in card and "speculative_config=" in card
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in (tmp_path / "out").iterdir():  # readable by a vLLM server running as another user
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
 
 
 def test_export_medusa_bf16(tmp_path, tiny_target_dir):

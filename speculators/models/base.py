@@ -58,6 +58,13 @@ def atomic_write_dir(out_dir: Path, write) -> None:
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=False)
     write(tmp)
+    # safetensors writes through a private temporary file (mode 0600); give every file the
+    # umask's usual mode so a server running as another user (vLLM in a container) can read it.
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         out_dir.rename(old)
