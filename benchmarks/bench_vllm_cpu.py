@@ -24,6 +24,8 @@ import os
 import time
 from pathlib import Path
 
+from speculators.vllm_plugin.metrics import spec_decode_metrics
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,20 +50,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def spec_counters(llm) -> dict:
-    from vllm.v1.metrics.reader import Counter, Vector
-
-    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted"}
-    for m in llm.get_metrics():
-        if isinstance(m, Counter) and m.name in names:
-            out[names[m.name]] += m.value
-        elif isinstance(m, Vector) and m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            out["per_pos"] = [a + b for a, b in zip(out["per_pos"] + [0] * len(m.values), m.values)]
-    return out
-
-
 def run_config(args, name: str, speculative_config: dict | None, prompts: list[list[int]]) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -81,17 +69,17 @@ def run_config(args, name: str, speculative_config: dict | None, prompts: list[l
     tp = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.generate(tp[:1], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)  # warm-up
     for bs in args.batch_sizes:
-        before = spec_counters(llm)
+        before = spec_decode_metrics(llm)
         outputs, seconds = [], 0.0
         for i in range(0, len(tp), bs):
             t0 = time.perf_counter()
             res = llm.generate(tp[i : i + bs], sp, use_tqdm=False)
             seconds += time.perf_counter() - t0
             outputs += [list(r.outputs[0].token_ids) for r in res]
-        after = spec_counters(llm)
-        drafts = after["drafts"] - before["drafts"]
-        accepted = after["accepted"] - before["accepted"]
-        per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] + [0] * len(after["per_pos"]))]
+        after = spec_decode_metrics(llm)
+        drafts = after["num_drafts"] - before["num_drafts"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        per_pos = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"] + [0] * len(after["accepted_per_pos"]))]
         n_tokens = sum(map(len, outputs))
         result["batches"][bs] = {
             "seconds": seconds, "tokens": n_tokens, "tokens_per_s": n_tokens / seconds, "outputs": outputs,

@@ -78,12 +78,19 @@ def export(ckpt: str | Path, out: str | Path, target: str | None = None, force: 
     if dtype:
         model = model.to(DTYPES[dtype])
 
+    return _write_export(out, model.save_pretrained, model_card(model, target, out))
+
+
+def _write_export(out: Path, save_pretrained, card: str) -> Path:
+    """save_pretrained's files plus the model card, into `out` atomically. save_pretrained writes
+    its own directory atomically, so it gets a subdirectory whose files are then moved up."""
+
     def write(tmp: Path):
-        model.save_pretrained(tmp / "model")
+        save_pretrained(tmp / "model")
         for f in (tmp / "model").iterdir():
             f.rename(tmp / f.name)
         (tmp / "model").rmdir()
-        (tmp / "README.md").write_text(model_card(model, target, out))
+        (tmp / "README.md").write_text(card)
 
     atomic_write_dir(out, write)
     return out
@@ -132,15 +139,7 @@ def export_draft(path: Path, out: Path, target: str | None, dtype: str | None) -
     if dtype:
         model = model.to(DTYPES[dtype])
 
-    def write(tmp: Path):
-        DraftModel(model, tokenizer).save_pretrained(tmp / "model")
-        for f in (tmp / "model").iterdir():
-            f.rename(tmp / f.name)
-        (tmp / "model").rmdir()
-        (tmp / "README.md").write_text(draft_model_card(model, target, out))
-
-    atomic_write_dir(out, write)
-    return out
+    return _write_export(out, DraftModel(model, tokenizer).save_pretrained, draft_model_card(model, target, out))
 
 
 def draft_model_card(model, target: str, out: Path, k: int = 4) -> str:

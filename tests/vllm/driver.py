@@ -31,22 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def spec_metrics(llm) -> dict:
-    from vllm.v1.metrics.reader import Counter, Vector
-
-    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
-    names = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
-    for m in llm.get_metrics():
-        if isinstance(m, Counter) and m.name in names:
-            out[names[m.name]] += m.value
-        elif isinstance(m, Vector) and m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            vals = out["accepted_per_pos"]
-            vals.extend([0] * (len(m.values) - len(vals)))
-            for i, v in enumerate(m.values):
-                vals[i] += v
-    return out
+from speculators.vllm_plugin.metrics import spec_decode_metrics
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -91,7 +76,7 @@ def run_case(spec: dict, case: dict) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     bs = spec.get("batch_size") or len(prompts)
     outputs, per_request, gen_s, n_tokens = [], [], 0.0, 0
-    before = spec_metrics(llm)
+    before = spec_decode_metrics(llm)
     for i in range(0, len(prompts), bs):
         t0 = time.perf_counter()
         res = llm.generate(prompts[i : i + bs], sp, use_tqdm=False)
@@ -103,7 +88,7 @@ def run_case(spec: dict, case: dict) -> dict:
             m = getattr(c, "spec_decode_metrics", None)
             per_request.append(None if m is None else {"accepted": list(m.per_step_accepted),
                                                        "drafted": list(m.per_step_drafted)})
-    result.update(outputs=outputs, spec=delta(spec_metrics(llm), before), per_request=per_request,
+    result.update(outputs=outputs, spec=delta(spec_decode_metrics(llm), before), per_request=per_request,
                   generate_s=gen_s, tokens=n_tokens, plugin=plugin_state())
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -188,7 +173,9 @@ def main(spec_path: str, out_path: str) -> None:
     for case in spec["cases"]:
         if case.get("needs_exports") and not exports_ready:
             if spec.get("ready_file"):  # the exports are being trained while the first cases run
-                wait_for_ready(Path(spec["ready_file"]))
+                from vllm_harness import wait_for  # this script's directory; imported late, it imports torch
+
+                wait_for(Path(spec["ready_file"]))
             exports_ready = True
             if spec.get("config_checks"):
                 results["config_checks"] = config_checks(spec)
@@ -206,17 +193,6 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("config_checks") and "config_checks" not in results:
         results["config_checks"] = config_checks(spec)
         save()
-
-
-def wait_for_ready(ready_file: Path, timeout: float = 1200.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready_file.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {ready_file} after {timeout:.0f} s")
-        time.sleep(0.5)
-    state = json.loads(ready_file.read_text())
-    if not state.get("ok"):
-        raise RuntimeError(f"the exports were not built: {state.get('error')}")
 
 
 if __name__ == "__main__":
