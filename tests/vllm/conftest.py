@@ -78,7 +78,7 @@ def e2e(vllm_python, vllm_version, prompts, default_target_dir, tmp_path_factory
             with threads(THREADS):
                 train_export("medusa", work, ["--medusa_shared_lm_head=true", "--lr=1.0e-2", "--stages=[{steps: 40}]"])
                 train_export("mlp_speculator", work, ["--inner_dim=256", "--tie_weights=true",
-                                                      "--init_from_target=false", "--lr=3.0e-3",
+                                                      "--init=random", "--lr=3.0e-3",
                                                       "--stages=[{steps: 40}]"])
         except BaseException as err:
             ready.write_text(json.dumps({"ok": False, "error": repr(err)}))

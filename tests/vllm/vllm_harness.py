@@ -123,43 +123,6 @@ def vllm_cases(exports: dict[str, Path], version: str) -> list[dict]:
     # the plugin leaves ngram alone is checked at config level (driver.config_checks).
 
 
-class DraftLMProposer:
-    """A draft model for our engine: k greedy tokens of a small causal LM on the full history (what
-    vLLM's draft_model method proposes with greedy drafting). Its KV cache persists across steps and
-    is cropped back to the longest prefix still valid, so each step feeds only the new tokens."""
-
-    needs_hidden = False
-
-    def __init__(self, path: Path):
-        from transformers import AutoModelForCausalLM
-
-        self.lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.cache, self.cached = None, []  # cached: the token ids whose KV is in the cache
-
-    @torch.no_grad()
-    def propose(self, history: list[int], k: int) -> list[int]:
-        from transformers import DynamicCache
-
-        keep = 0
-        for a, b in zip(self.cached, history[:-1]):  # feed at least the newest token
-            if a != b:
-                break
-            keep += 1
-        if self.cache is None or keep == 0:
-            self.cache, keep = DynamicCache(), 0
-        else:
-            if keep < len(self.cached):
-                self.cache.crop(keep - len(self.cached))  # a negative count drops that many tokens
-        self.cached = history[:keep]
-        ids, out = history[keep:], []
-        for _ in range(k):
-            logits = self.lm(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True).logits[0, -1]
-            self.cached = self.cached + ids
-            out.append(int(logits.argmax()))
-            ids = [out[-1]]
-        return out
-
-
 def wait_for(ready_file: Path, timeout: float = 1200.0) -> None:
     """Block until the fixture has written the exports (or says it failed)."""
     import json
@@ -182,7 +145,8 @@ def our_results(spec: dict) -> dict:
     tau = sum(steps_tokens) / sum(target_forwards), acceptance_j = sum(accepted_j) / sum(drafted_j).
     The plain run and the draft model go first; the heads wait until the fixture has trained them.
     """
-    from speculators.engine import HeadProposer, SamplingParams, SpeculativeDecoder
+    from speculators.draft import load_draft
+    from speculators.engine import DraftModelProposer, HeadProposer, SamplingParams, SpeculativeDecoder
     from speculators.export.vllm_format import load_speculator
     from speculators.target import Target
 
@@ -194,7 +158,7 @@ def our_results(spec: dict) -> dict:
         if name == "plain":
             return None
         if name == "draft_model":
-            return DraftLMProposer(exports["draft"])
+            return DraftModelProposer(load_draft(exports["draft"])[0])
         wait_for(Path(spec["ready_file"]))
         return HeadProposer(load_speculator(exports[name]))
 
