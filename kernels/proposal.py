@@ -169,9 +169,17 @@ def _mlp_stage_reference(i, state, toks, emb, proj, ln_weight, ln_bias, scale_in
     return F.gelu(_rms(s) * ln_weight[i].to(dt) + ln_bias[i].to(dt))
 
 
+def _readout(state, signed_head: bool):
+    """What the head reads: the state, or its signed difference s[:half] - s[half:] (see signed_head)."""
+    if not signed_head:
+        return state
+    half = state.shape[-1] // 2
+    return state[..., :half] - state[..., half:]
+
+
 def mlp_speculator_propose_reference(
     hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input: bool = False, top_k: int = 1,
-    num_tokens: int | None = None, *, _impl=None,
+    num_tokens: int | None = None, *, signed_head: bool = False, _impl=None,
 ):
     """Greedy chain of the IBM MLP speculator; see :func:`mlp_speculator_propose`."""
     n_predict = len(head)
@@ -183,8 +191,9 @@ def mlp_speculator_propose_reference(
     drafts, vals, idxs = [], [], []
     for i in range(steps):
         state = _mlp_stage_reference(i, state, toks, emb, proj, ln_weight, ln_bias, scale_input, emb_scale, dt)
-        lp = torch.log_softmax(state @ head[i].to(dt).t(), dim=-1)
-        v, ix = _stable_topk(lp, top_k)
+        logits = _readout(state, signed_head) @ head[i].to(dt).t()
+        # the greedy chain needs only the argmax, which log-softmax does not move
+        v, ix = _stable_topk(torch.log_softmax(logits, dim=-1) if top_k > 1 else logits, top_k)
         toks = ix[:, 0]
         drafts.append(toks)
         vals.append(v.float())
@@ -656,7 +665,7 @@ def _state_dtype(head):
 
 def mlp_speculator_propose_triton(
     hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input: bool = False, top_k: int = 1,
-    num_tokens: int | None = None, *, _impl=None,
+    num_tokens: int | None = None, *, signed_head: bool = False, _impl=None,
 ):
     """Triton greedy chain (4 launches per stage, no host syncs); see :func:`mlp_speculator_propose`."""
     n_predict = len(head)
@@ -676,7 +685,8 @@ def mlp_speculator_propose_triton(
         h = _mlp_stage_triton(i, x, 1, tok_ptr, stride_tok, B, emb, proj, ln_weight, ln_bias, scale_input,
                               emb_scale, _state_dtype(head[i]))
         W = _contig_last(head[i])
-        _head_topk_launch(h, W, top_k, logprobs=True, H=1, B=B, stride_xh=0, stride_xb=h.stride(0), stride_wh=0,
+        r = _readout(h, signed_head)  # a [B, inner/2] difference: negligible next to the head's GEMV
+        _head_topk_launch(r, W, top_k, logprobs=True, H=1, B=B, stride_xh=0, stride_xb=r.stride(0), stride_wh=0,
                           out_v=vals[:, i], out_i=idxs[:, i], stride_ob=steps * top_k, stride_oh=0,
                           tok_out=drafts[:, i], stride_tok=steps)
         x = h
@@ -688,7 +698,7 @@ def mlp_speculator_propose_triton(
 
 def mlp_speculator_propose(
     hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input: bool = False, top_k: int = 1,
-    num_tokens: int | None = None, *, _impl=None,
+    num_tokens: int | None = None, *, signed_head: bool = False, _impl=None,
 ):
     """Greedy chain of IBM MLP-speculator draft tokens.
 
@@ -702,14 +712,17 @@ def mlp_speculator_propose(
         scale_input: apply ``rmsnorm(h) / sqrt(2)`` to the input (vLLM ``scale_input``).
         top_k: per-stage top-k to also return (the chain always follows the top-1 token).
         num_tokens: stages to run (default n_predict).
+        signed_head: every stored head is ``[W, -W]`` (what ``init: regression`` trains); pass ``W``
+            ``[V, inner/2]`` as head[i] and the op reads out ``W @ (s[:half] - s[half:])``, the same
+            logits from half the head's bytes, which are most of a proposal's cost.
     Returns:
         ``drafts [B, num_tokens] int64`` if ``top_k == 1``, else ``(drafts, logprobs [B, n, k]
         fp32, indices [B, n, k] int64)``.
     """
     args = (hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input, top_k, num_tokens)
     if _use_triton(hidden, _impl):
-        return mlp_speculator_propose_triton(*args)
-    return mlp_speculator_propose_reference(*args)
+        return mlp_speculator_propose_triton(*args, signed_head=signed_head)
+    return mlp_speculator_propose_reference(*args, signed_head=signed_head)
 
 
 def mlp_speculator_propose_topk_triton(

@@ -155,3 +155,21 @@ def test_mlp_regression_init_is_the_linear_predictor(tie):
 def test_mlp_regression_init_needs_the_signed_width():
     with pytest.raises(ValueError, match="inner_dim = 2"):
         mlp(inner=INNER).init_regression(torch.eye(D), torch.zeros(V, D), torch.zeros(V, D), 1.0)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_mlp_signed_head_readout_equals_the_stored_heads(tie):
+    """A head stored as [W, -W] is read out as W·(s[:D] - s[D:]): the same drafts as vLLM's math on the
+    full stored head, and the shortcut is dropped as soon as the head stops being signed."""
+    m = MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, inner_dim=2 * D, n_predict=3, tie_weights=tie))
+    torch.manual_seed(2)
+    m.init_regression(torch.randn(D, D) / D**0.5, torch.randn(V, D), torch.randn(V, D), scale=1.3)
+    m = m.double()
+    h, tok = torch.randn(7, D, dtype=torch.float64), torch.randint(0, V, (7,))
+    assert m.signed_readout() is not None and m.signed_readout()[0].shape == (V, D)
+    full = reference_mlp(m.vllm_state_dict(), m.config, h, tok, 3)
+    assert torch.equal(m.propose(h, tok, 3), full)
+    with torch.no_grad():
+        m.head_weight[..., 0] += 1.0  # in place: the next call sees a new tensor version
+    assert m.signed_readout() is None
+    assert torch.equal(m.propose(h, tok, 3), reference_mlp(m.vllm_state_dict(), m.config, h, tok, 3))

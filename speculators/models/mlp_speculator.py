@@ -131,10 +131,28 @@ class MLPSpeculator(SpeculatorModel):
         if k > self.config.n_predict:
             raise ValueError(f"k={k} exceeds the speculator's n_predict={self.config.n_predict}")
         stages = [self.stage(i) for i in range(self.config.n_predict)]
+        signed = self.signed_readout()
         return mlp_speculator_propose(
             hidden, tokens, [s[0].weight for s in stages], [s[1].weight for s in stages],
-            [s[2].weight for s in stages], [s[2].bias for s in stages], [s[3] for s in stages],
-            scale_input=self.config.scale_input, num_tokens=k)
+            [s[2].weight for s in stages], [s[2].bias for s in stages],
+            signed if signed is not None else [s[3] for s in stages],
+            scale_input=self.config.scale_input, num_tokens=k, signed_head=signed is not None)
+
+    def signed_readout(self) -> list[torch.Tensor] | None:
+        """Per stage W [V, inner/2] when every head is exactly [W, -W] (init: regression trains it so,
+        with W the target's frozen lm head), else None. Such a head's logits are W·(s[:half] - s[half:]),
+        so proposing reads half the bytes. Checked once per version of the head tensor: any in-place
+        change (an optimizer step, a load) makes the next call check again."""
+        w = self.head_weight
+        key = (w.data_ptr(), w._version)
+        if getattr(self, "_signed_key", None) != key:
+            half = w.shape[-1] // 2
+            pos, neg = w[..., :half], w[..., half:]
+            self._signed = None
+            if w.shape[-1] % 2 == 0 and torch.equal(pos, -neg):
+                self._signed = [pos[0 if self.config.tie_weights else i] for i in range(self.config.n_predict)]
+            self._signed_key = key
+        return self._signed
 
     def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Start embeddings and heads from the target's (when inner_dim == hidden size)."""
