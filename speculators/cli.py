@@ -36,7 +36,7 @@ def _eval(args):
     import torch
 
     from .draft import check_draft_against_target, is_draft_checkpoint, load_draft
-    from .engine import DraftModelProposer, HeadProposer, NgramProposer, SamplingParams
+    from .engine import DraftModelProposer, HeadProposer, NgramProposer, SamplingParams, TreeProposer
     from .evaluate import evaluate, summary_lines
     from .export.vllm_format import check_against_target, find_checkpoint, load_speculator
     from .target import Target
@@ -64,6 +64,11 @@ def _eval(args):
     if head is not None:
         check_against_target(head, target_name)
         proposers[head.config.MODEL_TYPE] = HeadProposer(head)
+        if args.tree:
+            if args.temperature > 0:
+                raise ValueError("--tree verifies greedily (typical acceptance would change the output "
+                                 "distribution); drop --tree or use --temperature 0")
+            proposers[f"{head.config.MODEL_TYPE}-tree"] = TreeProposer(head)
     for name, (model, tokenizer) in loaded.items():
         check_draft_against_target(model, tokenizer, target_name)
         proposers[name] = DraftModelProposer(model)
@@ -116,6 +121,9 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ngram", action="store_true", help="also run vLLM's n-gram prompt lookup as a baseline")
+    p.add_argument("--tree", action="store_true",
+                   help="also draft candidate trees with the speculator (MLP: top_k_tokens_per_head and n_candidates "
+                        "from its config; Medusa: a 9-node choice tree), greedy")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--threads", type=int)
     p.add_argument("--out", help="directory for eval.json and acceptance.png")

@@ -1,9 +1,15 @@
 """The built-in speculative decoding loop (batch 1, PyTorch path, HF KV cache).
 
-Each step the target verifies `[last token] + k drafts` in one forward pass, the
-verification rule accepts a prefix, and the KV cache is cropped back to it. The
-rule is vLLM's: greedy drafts are one-hot, acceptance min(1, p/q), recovery from
-norm(max(p - q, 0)), a bonus token when every draft is accepted.
+Chain drafting: each step the target verifies `[last token] + k drafts` in one forward pass, the
+verification rule accepts a prefix, and the KV cache is cropped back to it. The rule is vLLM's:
+greedy drafts are one-hot, acceptance min(1, p/q), recovery from norm(max(p - q, 0)), a bonus
+token when every draft is accepted.
+
+Tree drafting (TreeProposer): the speculator proposes a candidate tree (IBM's top-k expansion for
+an MLP speculator, Medusa's choices), the target scores every node in one forward under a tree
+attention mask (each node sees the committed prefix and its own ancestors), tree verification
+keeps the longest path the target agrees with, and that path's KV entries are moved to the front
+of the tree's slots before the cache is cropped.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .kernels.verification import rejection_sample
+from .kernels.tree import compact_accepted_kv_
+from .kernels.verification import rejection_sample, tree_verify
 from .target import Target
 
 
@@ -68,6 +75,28 @@ class HeadProposer:
         dtype = next(self.model.parameters()).dtype
         drafts = self.model.propose(hidden.view(1, -1).to(dtype), torch.tensor([token]), k)
         return drafts[0].tolist()
+
+
+class TreeProposer:
+    """An MLP speculator or Medusa drafting a candidate tree of depth k from the target's hidden state
+    (the model's `propose_tree`: top_k_tokens_per_head / n_candidates, or Medusa choices). Greedy
+    verification keeps the target's argmax path, so the output equals plain greedy decoding;
+    sampling uses Medusa-2's typical acceptance, which is not distribution-preserving and so only
+    runs when asked for (`typical=True`)."""
+
+    needs_hidden = True
+
+    def __init__(self, model, typical: bool = False):
+        self.model, self.typical = model.eval(), typical
+
+    def propose_tree(self, hidden: torch.Tensor, token: int, k: int):
+        dtype = next(self.model.parameters()).dtype
+        h, tok = hidden.view(1, -1).to(dtype), torch.tensor([token])
+        if hasattr(self.model.config, "top_k_tokens_per_head"):
+            return self.model.propose_tree(h, tok, self.model.config.top_k_tokens_per_head[:k])
+        from .models.medusa import DEFAULT_CHOICES
+
+        return self.model.propose_tree(h, tok, [c for c in DEFAULT_CHOICES if len(c) <= min(k, self.model.config.num_heads)])
 
 
 class DraftModelProposer:
@@ -129,14 +158,23 @@ class SpeculativeDecoder:
         token, hidden = self._first_token(out.logits[0, -1], sp, step), out.hidden[0, -1]
         history = list(prompt_ids) + [token]
         stats.tokens.append(token)
+        tree = isinstance(self.proposer, TreeProposer) and self.k > 0
+        if tree and sp.temperature > 0 and not self.proposer.typical:
+            raise ValueError("tree drafting at temperature > 0 needs typical acceptance (TreeProposer(typical=True)), "
+                             "which does not preserve the target's distribution; use chain drafting to sample exactly")
         while len(stats.tokens) < sp.max_new_tokens and token not in self.eos:
             step += 1
-            drafts, draft_probs = self._propose(history, hidden, token, sp, step)
-            inp = torch.tensor([[token] + drafts])
-            out = self.target(inp, past_key_values=cache, use_cache=True)
-            emitted, n_acc = self._verify(out.logits[0], drafts, sp, step, draft_probs)
+            if tree:
+                emitted, n_acc, depth, last = self._tree_step(cache, cached, hidden, token, sp, step)
+                out_hidden = last
+            else:
+                drafts, draft_probs = self._propose(history, hidden, token, sp, step)
+                inp = torch.tensor([[token] + drafts])
+                out = self.target(inp, past_key_values=cache, use_cache=True)
+                emitted, n_acc = self._verify(out.logits[0], drafts, sp, step, draft_probs)
+                depth, out_hidden = len(drafts), out.hidden[0, n_acc]
             stats.target_forwards += 1
-            for j in range(len(drafts)):
+            for j in range(depth):
                 stats.drafted[j] += 1
                 stats.accepted[j] += int(j < n_acc)
             room = sp.max_new_tokens - len(stats.tokens)
@@ -149,9 +187,33 @@ class SpeculativeDecoder:
             rejected = cache.get_seq_length() - cached
             if rejected:
                 cache.crop(-rejected)  # drop the rejected drafts' KV
-            token, hidden = emitted[-1], out.hidden[0, n_acc]
+            token, hidden = emitted[-1], out_hidden
         stats.seconds = time.perf_counter() - start
         return stats
+
+    def _tree_step(self, cache, cached: int, hidden, token: int, sp: SamplingParams, step: int):
+        """One tree step: (emitted tokens, accepted drafts, tree depth, hidden state of the last
+        accepted node). The tree's KV entries are appended at cached + node; on return the accepted
+        path's entries sit contiguously after the prefix and the rest is still to be cropped."""
+        tb = self.proposer.propose_tree(hidden, token, self.k)
+        n = int(tb.num_nodes[0])
+        tokens, parents, depth = tb.tree_tokens[:, :n], tb.parents[:, :n], tb.depth[:, :n]
+        dtype = self.target.lm_head.weight.dtype
+        # Additive mask: 0 where a node may attend (the whole prefix, itself and its ancestors).
+        mask = torch.zeros(1, 1, n, cached + n, dtype=dtype)
+        mask[0, 0, :, cached:] = torch.where(tb.attn_mask[0, :n, :n], 0.0, torch.finfo(dtype).min)
+        out = self.target(tokens, attention_mask=mask, position_ids=cached + depth, past_key_values=cache,
+                          use_cache=True)
+        typical = sp.temperature > 0
+        res = tree_verify(out.logits.float(), tokens, parents, mode="typical" if typical else "greedy",
+                          temperature=sp.temperature if typical else None,
+                          seeds=torch.tensor([sp.seed * 1_000_003 + step]) if typical else None)
+        n_acc = int(res.num_accepted[0])
+        for layer in cache.layers:
+            for kv in (layer.keys, layer.values):  # [1, heads, seq, head_dim]
+                compact_accepted_kv_(kv, res.accepted_nodes, res.num_accepted, [cached], seq_dim=2)
+        last = int(res.accepted_nodes[0, n_acc])
+        return res.output_tokens[0, : n_acc + 1].tolist(), n_acc, int(depth.max()), out.hidden[0, last]
 
     def _first_token(self, logits, sp, step) -> int:
         out, _ = self._verify(logits[None], [], sp, step)

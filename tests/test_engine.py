@@ -4,7 +4,8 @@ token, whatever the proposer proposes; sampling is reproducible per seed."""
 import pytest
 import torch
 
-from speculators.engine import HeadProposer, NgramProposer, SamplingParams, SpeculativeDecoder
+from speculators.engine import HeadProposer, NgramProposer, SamplingParams, SpeculativeDecoder, TreeProposer
+from speculators.kernels.tree import paths_to_tree
 from speculators.models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculatorConfig
 from speculators.target import Target
 
@@ -76,3 +77,55 @@ def test_ngram_rule():
     assert ng.propose([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # longest suffix 1 2 3 -> what followed it
     assert ng.propose([5, 6, 7], 2) == []
     assert ng.propose([4, 1, 4], 2) == [1, 4]
+
+
+class ReplayTreeProposer(TreeProposer):
+    """A candidate tree of three paths: the true greedy continuation corrupted at its first token,
+    then corrupted from its second token on, then the true continuation. The accepted path is never
+    the tree's first nodes, so its KV entries must be moved, and since the true path is always there
+    every step accepts it whole: the proposer knows where the next step starts."""
+
+    def __init__(self, reference: list[int], start: int):
+        self.reference, self.pos, self.typical = reference, start, False
+
+    def propose_tree(self, hidden, token, k):
+        assert self.reference[self.pos] == token
+        nxt = self.reference[self.pos + 1 : self.pos + 1 + k]
+        self.pos += len(nxt) + 1
+        if not nxt:
+            return paths_to_tree(torch.tensor([token]), torch.full((1, 1, k), -1))
+        wrong0 = [(nxt[0] + 7) % 49152] + nxt[1:]
+        wrong1 = nxt[:1] + [(t + 3) % 49152 for t in nxt[1:]]
+        paths = [p + [-1] * (k - len(p)) for p in (wrong0, wrong1, nxt)]
+        return paths_to_tree(torch.tensor([token]), torch.tensor([paths]))
+
+
+def test_tree_drafting_is_lossless(tiny_target):
+    sp = SamplingParams(max_new_tokens=24)
+    ps = prompts(tiny_target)
+    plain = [SpeculativeDecoder(tiny_target, None, 0).generate(p, sp).tokens for p in ps]
+    torch.manual_seed(0)
+    D, V = tiny_target.hidden_size, tiny_target.vocab_size
+    mlp = MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, n_predict=3))
+    medusa = Medusa(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=3, original_lm_head=True))
+    medusa.init_from_target(None, tiny_target.lm_head.weight)
+    for p, expected in zip(ps, plain):
+        replay = ReplayTreeProposer(p + expected, len(p))
+        for name, proposer in (("mlp", TreeProposer(mlp)), ("medusa", TreeProposer(medusa)), ("replay", replay)):
+            st = SpeculativeDecoder(tiny_target, proposer, 3).generate(p, sp)
+            assert st.tokens == expected, name
+            assert st.steps_tokens == len(st.tokens) - 1
+            if name == "replay":  # the true path is always in the tree: every step accepts all it can
+                assert st.steps_tokens / st.target_forwards > 3.0
+                assert st.accepted[2] > 0
+
+
+def test_tree_sampling_needs_typical_acceptance(tiny_target):
+    D, V = tiny_target.hidden_size, tiny_target.vocab_size
+    mlp = MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, n_predict=3))
+    p = prompts(tiny_target, 1)[0]
+    with pytest.raises(ValueError, match="typical acceptance"):
+        SpeculativeDecoder(tiny_target, TreeProposer(mlp), 3).generate(p, SamplingParams(temperature=1.0, max_new_tokens=8))
+    out = SpeculativeDecoder(tiny_target, TreeProposer(mlp, typical=True), 3).generate(
+        p, SamplingParams(temperature=1.0, max_new_tokens=8))
+    assert len(out.tokens) == 8

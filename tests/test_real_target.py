@@ -9,7 +9,7 @@ import torch
 
 from speculators.assets import fetch
 from speculators.data import build_dataset, chat_ids, eval_prompts, iter_json_array
-from speculators.engine import HeadProposer, NgramProposer, SamplingParams
+from speculators.engine import HeadProposer, NgramProposer, SamplingParams, TreeProposer
 from speculators.evaluate import evaluate
 from speculators.models import MLPSpeculator, MLPSpeculatorConfig
 from speculators.target import Target, resolve_model_path
@@ -56,7 +56,7 @@ def test_greedy_lossless_on_mt_bench(target):
     mlp = MLPSpeculator(MLPSpeculatorConfig(vocab_size=target.vocab_size, emb_dim=target.hidden_size, n_predict=3))
     mlp.init_from_target(target.model.get_input_embeddings().weight, target.lm_head.weight)
     sp = SamplingParams(max_new_tokens=32)
-    results = evaluate(target, {"mlp": HeadProposer(mlp), "ngram": NgramProposer()}, ["mt-bench", "humaneval"],
+    results = evaluate(target, {"mlp": HeadProposer(mlp), "mlp-tree": TreeProposer(mlp), "ngram": NgramProposer()}, ["mt-bench", "humaneval"],
                        3, sp, n_prompts=2)  # raises LosslessnessError on any mismatch
     for d in results["datasets"].values():
         assert d["results"]["ngram"]["tau"] >= 1.0

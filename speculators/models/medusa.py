@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.proposal import medusa_propose
+from ..kernels.tree import TreeBatch, medusa_tree, medusa_tree_tokens
 from .base import SpeculatorModel
+
+# A 9-node tree for CPU-sized verification forwards (Medusa's own 63-node trees pay off on GPUs, where
+# 64 query tokens cost about what 4 do): choice c takes the c[d]-th best token of head d at depth d.
+DEFAULT_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
 
 
 @dataclass
@@ -83,10 +88,8 @@ class Medusa(SpeculatorModel):
         """Head states [num_heads, B, T, D]; head h at position t predicts token t+h+2."""
         return torch.stack([block(hidden) for block in self.blocks])
 
-    @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-        """Top-1 chain of k drafts [B, k] (vLLM's V1 Medusa proposer; a positive logit_scale does not
-        change an argmax); `tokens` is unused. The fused kernel on CUDA, its reference elsewhere."""
+    def _heads(self, k: int):
+        """(ResBlock weights [k, L, D, D], biases or None, lm head(s)) of the first k heads, as the kernel takes them."""
         if k > self.config.num_heads:
             raise ValueError(f"k={k} exceeds the number of Medusa heads ({self.config.num_heads})")
         blocks = self.blocks[:k]
@@ -94,7 +97,24 @@ class Medusa(SpeculatorModel):
         bias = (torch.stack([torch.stack([layer.bias for layer in b.layers]) for b in blocks])
                 if self.config.medusa_fc_bias else None)
         lm_head = self.head_weights() if self.config.original_lm_head else self.lm_head_weight[:k]
-        return medusa_propose(hidden, weights, bias, lm_head, top_k=1)[1][:, :, 0]
+        return weights, bias, lm_head
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """Top-1 chain of k drafts [B, k] (vLLM's V1 Medusa proposer; a positive logit_scale does not
+        change an argmax); `tokens` is unused. The fused kernel on CUDA, its reference elsewhere."""
+        return medusa_propose(hidden, *self._heads(k), top_k=1)[1][:, :, 0]
+
+    @torch.no_grad()
+    def propose_tree(self, hidden: torch.Tensor, tokens: torch.Tensor, choices=None) -> TreeBatch:
+        """Medusa's candidate tree: the static tree of `choices` (DEFAULT_CHOICES cut to the number of
+        heads) filled with each head's top-k tokens; the root is `tokens` (the token just emitted)."""
+        choices = choices or [c for c in DEFAULT_CHOICES if len(c) <= self.config.num_heads]
+        tree = medusa_tree(choices, hidden.device)
+        _, idx = medusa_propose(hidden, *self._heads(tree.num_heads), top_k=tree.max_topk)
+        B, N = hidden.shape[0], tree.num_nodes
+        return TreeBatch(medusa_tree_tokens(tree, tokens, idx), tree.parents.expand(B, N), tree.depth.expand(B, N),
+                         tree.attn_mask.expand(B, N, N), torch.full((B,), N), torch.empty(B, 0, 0, dtype=torch.int64))
 
     def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         with torch.no_grad():

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.proposal import mlp_speculator_propose
+from ..kernels.proposal import mlp_speculator_propose, mlp_speculator_propose_topk
+from ..kernels.tree import TreeBatch, mlp_candidate_paths, paths_to_tree
 from .base import SpeculatorModel
 
 EPS = 1e-6
@@ -137,6 +138,24 @@ class MLPSpeculator(SpeculatorModel):
             [s[2].weight for s in stages], [s[2].bias for s in stages],
             signed if signed is not None else [s[3] for s in stages],
             scale_input=self.config.scale_input, num_tokens=k, signed_head=signed is not None)
+
+    @torch.no_grad()
+    def propose_tree(self, hidden: torch.Tensor, tokens: torch.Tensor, top_k_per_head=None,
+                     n_candidates: int | None = None) -> TreeBatch:
+        """IBM's tree drafting: every stage expands each branch with its top-k tokens
+        (`top_k_tokens_per_head`), the `n_candidates` paths with the highest cumulative log-probability
+        are kept and merged into one tree per request (shared prefixes share nodes); the root is `tokens`."""
+        c = self.config
+        top_k = list(top_k_per_head or c.top_k_tokens_per_head)
+        if len(top_k) > c.n_predict:
+            raise ValueError(f"a tree of depth {len(top_k)} exceeds the speculator's n_predict={c.n_predict}")
+        stages = [self.stage(i) for i in range(len(top_k))]
+        outs = mlp_speculator_propose_topk(
+            hidden, tokens, [s[0].weight for s in stages], [s[1].weight for s in stages],
+            [s[2].weight for s in stages], [s[2].bias for s in stages], [s[3] for s in stages],
+            scale_input=c.scale_input, top_k_per_head=top_k)
+        paths, _, _ = mlp_candidate_paths(outs, n_candidates or c.n_candidates)
+        return paths_to_tree(tokens, paths)
 
     def signed_readout(self) -> list[torch.Tensor] | None:
         """Per stage W [V, inner/2] when every head is exactly [W, -W] (init: regression trains it so,
