@@ -206,7 +206,7 @@ def mlp_speculator_propose_reference(
 
 def mlp_speculator_propose_topk_reference(
     hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input: bool, top_k_per_head: Sequence[int],
-    *, _impl=None,
+    *, signed_head: bool = False, _impl=None,
 ):
     """IBM tree expansion; see :func:`mlp_speculator_propose_topk`."""
     n_predict = len(head)
@@ -217,7 +217,7 @@ def mlp_speculator_propose_topk_reference(
     out = []
     for i, k in enumerate(top_k_per_head):
         state = _mlp_stage_reference(i, state, toks, emb, proj, ln_weight, ln_bias, scale_input, emb_scale, dt)
-        lp = torch.log_softmax(state @ head[i].to(dt).t(), dim=-1)
+        lp = torch.log_softmax(_readout(state, signed_head) @ head[i].to(dt).t(), dim=-1)
         v, ix = _stable_topk(lp, int(k))
         out.append((v.float(), ix))
         state = state.repeat_interleave(int(k), dim=0)  # row r -> parent r // k
@@ -727,7 +727,7 @@ def mlp_speculator_propose(
 
 def mlp_speculator_propose_topk_triton(
     hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input: bool, top_k_per_head: Sequence[int],
-    *, _impl=None,
+    *, signed_head: bool = False, _impl=None,
 ):
     """Triton IBM tree expansion; see :func:`mlp_speculator_propose_topk`."""
     n_predict = len(head)
@@ -746,8 +746,9 @@ def mlp_speculator_propose_topk_triton(
         v = torch.empty(Bt, k, dtype=torch.float32, device=dev)
         ix = torch.empty(Bt, k, dtype=torch.int64, device=dev)
         if Bt > 0:
-            _head_topk_launch(h, _contig_last(head[i]), k, logprobs=True, H=1, B=Bt, stride_xh=0,
-                              stride_xb=h.stride(0), stride_wh=0, out_v=v, out_i=ix, stride_ob=k, stride_oh=0)
+            r = _readout(h, signed_head)
+            _head_topk_launch(r, _contig_last(head[i]), k, logprobs=True, H=1, B=Bt, stride_xh=0,
+                              stride_xb=r.stride(0), stride_wh=0, out_v=v, out_i=ix, stride_ob=k, stride_oh=0)
         out.append((v, ix))
         x, toks, rows_per_parent, Bt = h, ix.reshape(-1), k, Bt * k
     return out
@@ -755,7 +756,7 @@ def mlp_speculator_propose_topk_triton(
 
 def mlp_speculator_propose_topk(
     hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input: bool, top_k_per_head: Sequence[int],
-    *, _impl=None,
+    *, signed_head: bool = False, _impl=None,
 ):
     """IBM tree drafting: per-stage top-k over every branch of the expansion tree.
 
@@ -768,11 +769,13 @@ def mlp_speculator_propose_topk(
         descending, ties -> lowest index.  Feed it to
         :func:`speculators.kernels.tree.mlp_candidate_paths` (``n_candidates``) and
         :func:`speculators.kernels.tree.paths_to_tree`.
+
+    ``signed_head`` as in :func:`mlp_speculator_propose`: head[i] is ``W`` of a stored ``[W, -W]``.
     """
     args = (hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input, top_k_per_head)
     if _use_triton(hidden, _impl):
-        return mlp_speculator_propose_topk_triton(*args)
-    return mlp_speculator_propose_topk_reference(*args)
+        return mlp_speculator_propose_topk_triton(*args, signed_head=signed_head)
+    return mlp_speculator_propose_topk_reference(*args, signed_head=signed_head)
 
 
 # ----------------------------------------------------------------------------------------

@@ -149,11 +149,13 @@ class MLPSpeculator(SpeculatorModel):
         top_k = list(top_k_per_head or c.top_k_tokens_per_head)
         if len(top_k) > c.n_predict:
             raise ValueError(f"a tree of depth {len(top_k)} exceeds the speculator's n_predict={c.n_predict}")
-        stages = [self.stage(i) for i in range(len(top_k))]
+        stages = [self.stage(i) for i in range(c.n_predict)]
+        signed = self.signed_readout()
         outs = mlp_speculator_propose_topk(
             hidden, tokens, [s[0].weight for s in stages], [s[1].weight for s in stages],
-            [s[2].weight for s in stages], [s[2].bias for s in stages], [s[3] for s in stages],
-            scale_input=c.scale_input, top_k_per_head=top_k)
+            [s[2].weight for s in stages], [s[2].bias for s in stages],
+            signed if signed is not None else [s[3] for s in stages],
+            scale_input=c.scale_input, top_k_per_head=top_k, signed_head=signed is not None)
         paths, _, _ = mlp_candidate_paths(outs, n_candidates or c.n_candidates)
         return paths_to_tree(tokens, paths)
 

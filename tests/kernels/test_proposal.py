@@ -182,6 +182,22 @@ def test_mlp_chain_signed_head_equals_the_stored_head(impl):
     torch.testing.assert_close(out[1], ref[1], atol=2e-5, rtol=1e-5)
 
 
+
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_mlp_tree_signed_head_equals_the_stored_head(impl):
+    """The top-k expansion with signed_head (head[i] = W for a stored [W, -W]) gives the same tree."""
+    emb, proj, lw, lb, head = _mlp_weights(tie=False, seed=5)
+    half = [w[:, :16] for w in head]
+    stored = [torch.cat([w, -w], 1) for w in half]
+    g = torch.Generator().manual_seed(6)
+    hidden, tokens = torch.randn(2, 24, generator=g) * 2, torch.randint(0, 77, (2,), generator=g)
+    ks = [3, 2, 2]
+    ref = mlp_speculator_propose_topk_reference(hidden.double(), tokens, _d(emb), _d(proj), lw, lb, _d(stored), False, ks)
+    out = mlp_speculator_propose_topk(hidden, tokens, emb, proj, lw, lb, half, False, ks, signed_head=True, _impl=impl)
+    for (rv, ri), (ov, oi) in zip(ref, out):
+        assert torch.equal(oi, ri)
+        torch.testing.assert_close(ov, rv, atol=2e-5, rtol=1e-5)
+
 @needs_triton
 def test_mlp_tree_topk_triton_matches_reference():
     emb, proj, lw, lb, head = _mlp_weights(seed=5)
