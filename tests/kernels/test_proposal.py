@@ -342,3 +342,18 @@ def test_cuda_kernels_compile_without_gpu():
     if "AOT-UNAVAILABLE" in r.stdout:
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0 and "AOT-OK" in r.stdout, r.stderr[-4000:]
+
+
+def test_stable_topk_equals_a_stable_sort_with_ties():
+    """The references' top-k (ties -> lowest index) equals the first k of a stable descending sort."""
+    from speculators.kernels.proposal import _stable_topk
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        R, V = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(2, 60, (1,), generator=g))
+        k = int(torch.randint(2, min(V, 8) + 1, (1,), generator=g))
+        # every other trial: a handful of distinct values, so ties straddle the k-th place
+        x = torch.randint(0, 4, (R, V), generator=g).float() if trial % 2 else torch.randn(R, V, generator=g)
+        vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+        got = _stable_topk(x, k)
+        assert torch.equal(got[0], vals[:, :k]) and torch.equal(got[1], idx[:, :k]), trial
