@@ -91,12 +91,7 @@ class TreeProposer:
 
     def propose_tree(self, hidden: torch.Tensor, token: int, k: int):
         dtype = next(self.model.parameters()).dtype
-        h, tok = hidden.view(1, -1).to(dtype), torch.tensor([token])
-        if hasattr(self.model.config, "top_k_tokens_per_head"):
-            return self.model.propose_tree(h, tok, self.model.config.top_k_tokens_per_head[:k])
-        from .models.medusa import DEFAULT_CHOICES
-
-        return self.model.propose_tree(h, tok, [c for c in DEFAULT_CHOICES if len(c) <= min(k, self.model.config.num_heads)])
+        return self.model.propose_tree(hidden.view(1, -1).to(dtype), torch.tensor([token]), k)
 
 
 class DraftModelProposer:
@@ -165,14 +160,9 @@ class SpeculativeDecoder:
         while len(stats.tokens) < sp.max_new_tokens and token not in self.eos:
             step += 1
             if tree:
-                emitted, n_acc, depth, last = self._tree_step(cache, cached, hidden, token, sp, step)
-                out_hidden = last
+                emitted, n_acc, depth, next_hidden = self._tree_step(cache, cached, hidden, token, sp, step)
             else:
-                drafts, draft_probs = self._propose(history, hidden, token, sp, step)
-                inp = torch.tensor([[token] + drafts])
-                out = self.target(inp, past_key_values=cache, use_cache=True)
-                emitted, n_acc = self._verify(out.logits[0], drafts, sp, step, draft_probs)
-                depth, out_hidden = len(drafts), out.hidden[0, n_acc]
+                emitted, n_acc, depth, next_hidden = self._chain_step(cache, history, hidden, token, sp, step)
             stats.target_forwards += 1
             for j in range(depth):
                 stats.drafted[j] += 1
@@ -187,9 +177,17 @@ class SpeculativeDecoder:
             rejected = cache.get_seq_length() - cached
             if rejected:
                 cache.crop(-rejected)  # drop the rejected drafts' KV
-            token, hidden = emitted[-1], out_hidden
+            token, hidden = emitted[-1], next_hidden
         stats.seconds = time.perf_counter() - start
         return stats
+
+    def _chain_step(self, cache, history, hidden, token: int, sp: SamplingParams, step: int):
+        """One chain step: (emitted tokens, accepted drafts, drafts proposed, hidden state of the last
+        accepted position); the rejected drafts' KV entries are still to be cropped."""
+        drafts, draft_probs = self._propose(history, hidden, token, sp, step)
+        out = self.target(torch.tensor([[token] + drafts]), past_key_values=cache, use_cache=True)
+        emitted, n_acc = self._verify(out.logits[0], drafts, sp, step, draft_probs)
+        return emitted, n_acc, len(drafts), out.hidden[0, n_acc]
 
     def _tree_step(self, cache, cached: int, hidden, token: int, sp: SamplingParams, step: int):
         """One tree step: (emitted tokens, accepted drafts, tree depth, hidden state of the last

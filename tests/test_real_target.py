@@ -56,8 +56,8 @@ def test_greedy_lossless_on_mt_bench(target):
     mlp = MLPSpeculator(MLPSpeculatorConfig(vocab_size=target.vocab_size, emb_dim=target.hidden_size, n_predict=3))
     mlp.init_from_target(target.model.get_input_embeddings().weight, target.lm_head.weight)
     sp = SamplingParams(max_new_tokens=32)
-    results = evaluate(target, {"mlp": HeadProposer(mlp), "mlp-tree": TreeProposer(mlp), "ngram": NgramProposer()}, ["mt-bench", "humaneval"],
-                       3, sp, n_prompts=2)  # raises LosslessnessError on any mismatch
+    proposers = {"mlp": HeadProposer(mlp), "mlp-tree": TreeProposer(mlp), "ngram": NgramProposer()}
+    results = evaluate(target, proposers, ["mt-bench", "humaneval"], 3, sp, n_prompts=2)  # raises LosslessnessError on any mismatch
     for d in results["datasets"].values():
         assert d["results"]["ngram"]["tau"] >= 1.0
 

@@ -106,11 +106,11 @@ class Medusa(SpeculatorModel):
         return medusa_propose(hidden, *self._heads(k), top_k=1)[1][:, :, 0]
 
     @torch.no_grad()
-    def propose_tree(self, hidden: torch.Tensor, tokens: torch.Tensor, choices=None) -> TreeBatch:
-        """Medusa's candidate tree: the static tree of `choices` (DEFAULT_CHOICES cut to the number of
-        heads) filled with each head's top-k tokens; the root is `tokens` (the token just emitted)."""
-        choices = choices or [c for c in DEFAULT_CHOICES if len(c) <= self.config.num_heads]
-        tree = medusa_tree(choices, hidden.device)
+    def propose_tree(self, hidden: torch.Tensor, tokens: torch.Tensor, depth: int | None = None) -> TreeBatch:
+        """Medusa's candidate tree: the static tree of DEFAULT_CHOICES no deeper than `depth` (and the
+        number of heads), filled with each head's top-k tokens; the root is `tokens` (the token just emitted)."""
+        depth = min(depth or self.config.num_heads, self.config.num_heads)
+        tree = medusa_tree([c for c in DEFAULT_CHOICES if len(c) <= depth], hidden.device)
         _, idx = medusa_propose(hidden, *self._heads(tree.num_heads), top_k=tree.max_topk)
         B, N = hidden.shape[0], tree.num_nodes
         return TreeBatch(medusa_tree_tokens(tree, tokens, idx), tree.parents.expand(B, N), tree.depth.expand(B, N),

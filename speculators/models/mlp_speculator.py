@@ -131,33 +131,34 @@ class MLPSpeculator(SpeculatorModel):
         (the fused proposal kernel on CUDA, its PyTorch reference elsewhere)."""
         if k > self.config.n_predict:
             raise ValueError(f"k={k} exceeds the speculator's n_predict={self.config.n_predict}")
-        stages = [self.stage(i) for i in range(self.config.n_predict)]
-        signed = self.signed_readout()
-        return mlp_speculator_propose(
-            hidden, tokens, [s[0].weight for s in stages], [s[1].weight for s in stages],
-            [s[2].weight for s in stages], [s[2].bias for s in stages],
-            signed if signed is not None else [s[3] for s in stages],
-            scale_input=self.config.scale_input, num_tokens=k, signed_head=signed is not None)
+        weights, signed = self._proposal_weights()
+        return mlp_speculator_propose(hidden, tokens, *weights, scale_input=self.config.scale_input, num_tokens=k,
+                                      signed_head=signed)
 
     @torch.no_grad()
-    def propose_tree(self, hidden: torch.Tensor, tokens: torch.Tensor, top_k_per_head=None,
-                     n_candidates: int | None = None) -> TreeBatch:
+    def propose_tree(self, hidden: torch.Tensor, tokens: torch.Tensor, depth: int | None = None) -> TreeBatch:
         """IBM's tree drafting: every stage expands each branch with its top-k tokens
-        (`top_k_tokens_per_head`), the `n_candidates` paths with the highest cumulative log-probability
-        are kept and merged into one tree per request (shared prefixes share nodes); the root is `tokens`."""
+        (`top_k_tokens_per_head`, the first `depth` stages), the `n_candidates` paths with the highest
+        cumulative log-probability are kept and merged into one tree per request (shared prefixes share
+        nodes); the root is `tokens`."""
         c = self.config
-        top_k = list(top_k_per_head or c.top_k_tokens_per_head)
-        if len(top_k) > c.n_predict:
-            raise ValueError(f"a tree of depth {len(top_k)} exceeds the speculator's n_predict={c.n_predict}")
-        stages = [self.stage(i) for i in range(c.n_predict)]
-        signed = self.signed_readout()
-        outs = mlp_speculator_propose_topk(
-            hidden, tokens, [s[0].weight for s in stages], [s[1].weight for s in stages],
-            [s[2].weight for s in stages], [s[2].bias for s in stages],
-            signed if signed is not None else [s[3] for s in stages],
-            scale_input=c.scale_input, top_k_per_head=top_k, signed_head=signed is not None)
-        paths, _, _ = mlp_candidate_paths(outs, n_candidates or c.n_candidates)
+        depth = c.n_predict if depth is None else depth
+        if depth > c.n_predict:
+            raise ValueError(f"a tree of depth {depth} exceeds the speculator's n_predict={c.n_predict}")
+        weights, signed = self._proposal_weights()
+        outs = mlp_speculator_propose_topk(hidden, tokens, *weights, scale_input=c.scale_input,
+                                           top_k_per_head=c.top_k_tokens_per_head[:depth], signed_head=signed)
+        paths, _, _ = mlp_candidate_paths(outs, c.n_candidates)
         return paths_to_tree(tokens, paths)
+
+    def _proposal_weights(self) -> tuple[tuple[list, ...], bool]:
+        """(emb, proj, ln weight, ln bias, head) lists over all n_predict stages, as the proposal ops take
+        them, and whether the heads are the signed readout's W (see signed_readout)."""
+        stages = [self.stage(i) for i in range(self.config.n_predict)]
+        signed = self.signed_readout()
+        heads = signed if signed is not None else [s[3] for s in stages]
+        return ([s[0].weight for s in stages], [s[1].weight for s in stages], [s[2].weight for s in stages],
+                [s[2].bias for s in stages], heads), signed is not None
 
     def signed_readout(self) -> list[torch.Tensor] | None:
         """Per stage W [V, inner/2] when every head is exactly [W, -W] (init: regression trains it so,

@@ -168,35 +168,37 @@ def test_mlp_chain_triton_matches_reference(scale_input, tie):
     assert torch.equal(short, ref[0][:, :2])
 
 
-@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton)])
-def test_mlp_chain_signed_head_equals_the_stored_head(impl):
-    """signed_head: head[i] = W [V, inner/2] stands for the stored [W, -W]; same drafts and log-probs."""
+def _signed_case():
+    """MLP weights whose heads are W [V, inner/2] and the stored [W, -W] they stand for, plus inputs."""
     emb, proj, lw, lb, head = _mlp_weights(tie=False, seed=5)
     half = [w[:, :16] for w in head]
     stored = [torch.cat([w, -w], 1) for w in half]
     g = torch.Generator().manual_seed(6)
     hidden, tokens = torch.randn(3, 24, generator=g) * 2, torch.randint(0, 77, (3,), generator=g)
+    return emb, proj, lw, lb, half, stored, hidden, tokens
+
+
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_mlp_chain_signed_head_equals_the_stored_head(impl):
+    """signed_head: head[i] = W [V, inner/2] stands for the stored [W, -W]; same drafts and log-probs."""
+    emb, proj, lw, lb, half, stored, hidden, tokens = _signed_case()
     ref = mlp_speculator_propose_reference(hidden.double(), tokens, _d(emb), _d(proj), lw, lb, _d(stored), False, 3)
     out = mlp_speculator_propose(hidden, tokens, emb, proj, lw, lb, half, False, 3, signed_head=True, _impl=impl)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[2], ref[2])
     torch.testing.assert_close(out[1], ref[1], atol=2e-5, rtol=1e-5)
 
 
-
 @pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton)])
 def test_mlp_tree_signed_head_equals_the_stored_head(impl):
     """The top-k expansion with signed_head (head[i] = W for a stored [W, -W]) gives the same tree."""
-    emb, proj, lw, lb, head = _mlp_weights(tie=False, seed=5)
-    half = [w[:, :16] for w in head]
-    stored = [torch.cat([w, -w], 1) for w in half]
-    g = torch.Generator().manual_seed(6)
-    hidden, tokens = torch.randn(2, 24, generator=g) * 2, torch.randint(0, 77, (2,), generator=g)
+    emb, proj, lw, lb, half, stored, hidden, tokens = _signed_case()
     ks = [3, 2, 2]
     ref = mlp_speculator_propose_topk_reference(hidden.double(), tokens, _d(emb), _d(proj), lw, lb, _d(stored), False, ks)
     out = mlp_speculator_propose_topk(hidden, tokens, emb, proj, lw, lb, half, False, ks, signed_head=True, _impl=impl)
     for (rv, ri), (ov, oi) in zip(ref, out):
         assert torch.equal(oi, ri)
         torch.testing.assert_close(ov, rv, atol=2e-5, rtol=1e-5)
+
 
 @needs_triton
 def test_mlp_tree_topk_triton_matches_reference():
