@@ -168,6 +168,11 @@ def lm_head_topk_reference(x, weight, k: int, *, logprobs: bool = False, _impl=N
     return v.float(), i
 
 
+def _to_vocab(ix, vocab_ids):
+    """Head-row indices -> vocabulary ids when the heads hold only a draft vocabulary's rows."""
+    return ix if vocab_ids is None else vocab_ids[ix]
+
+
 def _rms(x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
 
@@ -189,7 +194,7 @@ def _readout(state, signed_head: bool):
 
 def mlp_speculator_propose_reference(
     hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input: bool = False, top_k: int = 1,
-    num_tokens: int | None = None, *, signed_head: bool = False, _impl=None,
+    num_tokens: int | None = None, *, signed_head: bool = False, vocab_ids=None, _impl=None,
 ):
     """Greedy chain of the IBM MLP speculator; see :func:`mlp_speculator_propose`."""
     n_predict = len(head)
@@ -204,6 +209,7 @@ def mlp_speculator_propose_reference(
         logits = _readout(state, signed_head) @ head[i].to(dt).t()
         # the greedy chain needs only the argmax, which log-softmax does not move
         v, ix = _stable_topk(torch.log_softmax(logits, dim=-1) if top_k > 1 else logits, top_k)
+        ix = _to_vocab(ix, vocab_ids)
         toks = ix[:, 0]
         drafts.append(toks)
         vals.append(v.float())
@@ -216,7 +222,7 @@ def mlp_speculator_propose_reference(
 
 def mlp_speculator_propose_topk_reference(
     hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input: bool, top_k_per_head: Sequence[int],
-    *, signed_head: bool = False, _impl=None,
+    *, signed_head: bool = False, vocab_ids=None, _impl=None,
 ):
     """IBM tree expansion; see :func:`mlp_speculator_propose_topk`."""
     n_predict = len(head)
@@ -229,6 +235,7 @@ def mlp_speculator_propose_topk_reference(
         state = _mlp_stage_reference(i, state, toks, emb, proj, ln_weight, ln_bias, scale_input, emb_scale, dt)
         lp = torch.log_softmax(_readout(state, signed_head) @ head[i].to(dt).t(), dim=-1)
         v, ix = _stable_topk(lp, int(k))
+        ix = _to_vocab(ix, vocab_ids)
         out.append((v.float(), ix))
         state = state.repeat_interleave(int(k), dim=0)  # row r -> parent r // k
         toks = ix.reshape(-1)
@@ -675,7 +682,7 @@ def _state_dtype(head):
 
 def mlp_speculator_propose_triton(
     hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input: bool = False, top_k: int = 1,
-    num_tokens: int | None = None, *, signed_head: bool = False, _impl=None,
+    num_tokens: int | None = None, *, signed_head: bool = False, vocab_ids=None, _impl=None,
 ):
     """Triton greedy chain (4 launches per stage, no host syncs); see :func:`mlp_speculator_propose`."""
     n_predict = len(head)
@@ -699,6 +706,9 @@ def mlp_speculator_propose_triton(
         _head_topk_launch(r, W, top_k, logprobs=True, H=1, B=B, stride_xh=0, stride_xb=r.stride(0), stride_wh=0,
                           out_v=vals[:, i], out_i=idxs[:, i], stride_ob=steps * top_k, stride_oh=0,
                           tok_out=drafts[:, i], stride_tok=steps)
+        if vocab_ids is not None:  # two tiny gathers, still no host sync
+            drafts[:, i] = vocab_ids[drafts[:, i]]
+            idxs[:, i] = vocab_ids[idxs[:, i]]
         x = h
         tok_ptr, stride_tok = drafts[:, i], steps
     if top_k == 1:
@@ -708,7 +718,7 @@ def mlp_speculator_propose_triton(
 
 def mlp_speculator_propose(
     hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input: bool = False, top_k: int = 1,
-    num_tokens: int | None = None, *, signed_head: bool = False, _impl=None,
+    num_tokens: int | None = None, *, signed_head: bool = False, vocab_ids=None, _impl=None,
 ):
     """Greedy chain of IBM MLP-speculator draft tokens.
 
@@ -725,19 +735,22 @@ def mlp_speculator_propose(
         signed_head: every stored head is ``[W, -W]`` (what ``init: regression`` trains); pass ``W``
             ``[V, inner/2]`` as head[i] and the op reads out ``W @ (s[:half] - s[half:])``, the same
             logits from half the head's bytes, which are most of a proposal's cost.
+        vocab_ids: [N] int64, ascending: head[i] holds only these vocabulary rows (a draft vocabulary,
+            see MLPSpeculator.draft_vocab); returned indices and the tokens fed to the next stage are
+            vocabulary ids. Tie-breaking is unchanged, as the rows keep their order.
     Returns:
         ``drafts [B, num_tokens] int64`` if ``top_k == 1``, else ``(drafts, logprobs [B, n, k]
         fp32, indices [B, n, k] int64)``.
     """
     args = (hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input, top_k, num_tokens)
     if _use_triton(hidden, _impl):
-        return mlp_speculator_propose_triton(*args, signed_head=signed_head)
-    return mlp_speculator_propose_reference(*args, signed_head=signed_head)
+        return mlp_speculator_propose_triton(*args, signed_head=signed_head, vocab_ids=vocab_ids)
+    return mlp_speculator_propose_reference(*args, signed_head=signed_head, vocab_ids=vocab_ids)
 
 
 def mlp_speculator_propose_topk_triton(
     hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input: bool, top_k_per_head: Sequence[int],
-    *, signed_head: bool = False, _impl=None,
+    *, signed_head: bool = False, vocab_ids=None, _impl=None,
 ):
     """Triton IBM tree expansion; see :func:`mlp_speculator_propose_topk`."""
     n_predict = len(head)
@@ -759,6 +772,7 @@ def mlp_speculator_propose_topk_triton(
             r = _readout(h, signed_head)
             _head_topk_launch(r, _contig_last(head[i]), k, logprobs=True, H=1, B=Bt, stride_xh=0,
                               stride_xb=r.stride(0), stride_wh=0, out_v=v, out_i=ix, stride_ob=k, stride_oh=0)
+        ix = _to_vocab(ix, vocab_ids)
         out.append((v, ix))
         x, toks, rows_per_parent, Bt = h, ix.reshape(-1), k, Bt * k
     return out
@@ -766,7 +780,7 @@ def mlp_speculator_propose_topk_triton(
 
 def mlp_speculator_propose_topk(
     hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input: bool, top_k_per_head: Sequence[int],
-    *, signed_head: bool = False, _impl=None,
+    *, signed_head: bool = False, vocab_ids=None, _impl=None,
 ):
     """IBM tree drafting: per-stage top-k over every branch of the expansion tree.
 
@@ -780,12 +794,12 @@ def mlp_speculator_propose_topk(
         :func:`speculators.kernels.tree.mlp_candidate_paths` (``n_candidates``) and
         :func:`speculators.kernels.tree.paths_to_tree`.
 
-    ``signed_head`` as in :func:`mlp_speculator_propose`: head[i] is ``W`` of a stored ``[W, -W]``.
+    ``signed_head`` and ``vocab_ids`` as in :func:`mlp_speculator_propose`.
     """
     args = (hidden, tokens, emb, proj, ln_weight, ln_bias, head, scale_input, top_k_per_head)
     if _use_triton(hidden, _impl):
-        return mlp_speculator_propose_topk_triton(*args, signed_head=signed_head)
-    return mlp_speculator_propose_topk_reference(*args, signed_head=signed_head)
+        return mlp_speculator_propose_topk_triton(*args, signed_head=signed_head, vocab_ids=vocab_ids)
+    return mlp_speculator_propose_topk_reference(*args, signed_head=signed_head, vocab_ids=vocab_ids)
 
 
 # ----------------------------------------------------------------------------------------

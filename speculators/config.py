@@ -54,6 +54,11 @@ class TrainConfig:
     init: str = "target"
     init_samples: int = 1000  # init: regression — training rows the least-squares fit reads
     medusa_layers: int = 1
+    # MLP speculator only. 0: heads over the whole vocabulary. N: a draft vocabulary (FR-Spec) of the N
+    # tokens most frequent in the training data's loss tokens; every other head row stays zero, so the
+    # export loads in vLLM unchanged, while the loss and the built-in engine's proposal read N/V of the
+    # head: the vocabulary GEMMs are most of the cost on a CPU.
+    draft_vocab: int = 0
     medusa_shared_lm_head: bool = False  # True: the target's frozen lm head (vLLM original_lm_head)
     # draft model (kind: draft_model, DistillSpec): where the draft starts
     draft_init: str = "layers"  # layers | model | config
@@ -116,6 +121,9 @@ class TrainConfig:
         if self.init == "regression":
             if self.kind != "mlp_speculator" or self.scale_input:
                 raise ConfigError("init: regression is for kind: mlp_speculator with scale_input: false")
+        if self.draft_vocab < 0 or (self.draft_vocab and self.kind != "mlp_speculator"):
+            raise ConfigError(f"draft_vocab={self.draft_vocab}: give 0 (the whole vocabulary) or, for kind: "
+                              f"mlp_speculator, the number of tokens the speculator may propose")
         if self.batch_size % self.micro_batch_size:
             raise ConfigError("batch_size must be a multiple of micro_batch_size")
 

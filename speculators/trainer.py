@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import yaml
 from accelerate import Accelerator
 from accelerate.utils import set_seed
@@ -43,6 +44,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def build_speculator(cfg: TrainConfig, target: Target):
     info = {"name": target.name, "architecture": target.architecture, "vocab_size": target.vocab_size,
             "hidden_size": target.hidden_size}
+    if cfg.draft_vocab > target.vocab_size:
+        raise ConfigError(f"draft_vocab={cfg.draft_vocab} exceeds the target's vocabulary ({target.vocab_size}); "
+                          f"lower it, or set 0 for the whole vocabulary")
     if cfg.kind == "mlp_speculator":
         inner = cfg.inner_dim
         if cfg.init == "regression":
@@ -106,6 +110,16 @@ def regression_init(model: MLPSpeculator, target: Target, dataset: Dataset, cfg:
                           scale=float((stats[0] / stats[1]).sqrt()))
 
 
+def frequent_tokens(dataset: Dataset, n: int, vocab_size: int) -> torch.Tensor:
+    """Ascending ids of the n tokens most frequent among the data set's loss tokens (ties: lower id),
+    the draft vocabulary of `draft_vocab`."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in dataset:
+        ids = torch.tensor(row["input_ids"])
+        counts += torch.bincount(ids[torch.tensor(row["loss_mask"], dtype=torch.bool)], minlength=vocab_size)
+    return counts.sort(descending=True, stable=True).indices[:n].sort().values
+
+
 def label_shifts(model, cfg: TrainConfig) -> list[int]:
     """Per head, how far ahead its label lies: a draft model predicts token t+1, like the target (its
     teacher is the target at the same position t); speculator head i predicts token t+i+2 (its
@@ -116,12 +130,14 @@ def label_shifts(model, cfg: TrainConfig) -> list[int]:
     return [i + 2 for i in range(c.n_predict if hasattr(c, "n_predict") else c.num_heads)]
 
 
-def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normalizer: float) -> tuple[torch.Tensor, int]:
-    """(loss / normalizer, number of loss tokens) for one micro-batch, for every proposer kind."""
+def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normalizer: float,
+                    vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """(loss / normalizer, number of loss tokens) for one micro-batch, for every proposer kind;
+    `vocab_ids`: the draft vocabulary the heads are restricted to (MLPSpeculator.draft_vocab)."""
     ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     use_teacher = cfg.divergence != "ce"
     teacher_mode = cfg.teacher if cfg.teacher != "auto" else ("hidden" if ids.is_cuda else "logits")
-    out = target(ids, attn, logits=use_teacher and teacher_mode == "logits")
+    out = target(ids, attn, logits=use_teacher and teacher_mode == "logits" and vocab_ids is None)
     hidden = out.hidden
     if cfg.kind == "draft_model":
         states = model(ids, attn)  # [1, B, T, D]: the draft's own final hidden states
@@ -135,6 +151,8 @@ def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normal
         # half the GEMM width, and no weight gradient.
         d = states.shape[-1] // 2
         states, head = states[..., :d] - states[..., d:], target.lm_head.weight
+    if vocab_ids is not None:  # only the draft vocabulary's rows, the student's and the teacher's
+        head = head.index_select(-2, vocab_ids)
     n_heads, (bsz, seq) = states.shape[0], ids.shape
     labels = []
     for shift in shifts:
@@ -143,6 +161,8 @@ def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normal
         lab[:, : seq - shift] = torch.where(ok, ids[:, shift:], -100)
         labels.append(lab)
     labels = torch.stack(labels).view(n_heads, bsz * seq)
+    if vocab_ids is not None:
+        labels = draft_vocab_labels(labels, vocab_ids, target.vocab_size, keep_others=cfg.divergence != "ce")
     # Only rows some head learns from go into the loss: padding and prompt tokens cost nothing.
     rows = (labels != -100).any(0).nonzero().squeeze(1)
     labels = labels[:, rows]
@@ -152,11 +172,13 @@ def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normal
         # flat index of the teacher's position t+shift-1 in the same sequence; never read where the label is ignored
         ahead = torch.tensor(shifts, device=rows.device)[:, None] - 1
         src = (rows[None] + ahead).clamp(max=bsz * seq - 1)
+        teacher_head = target.lm_head.weight if vocab_ids is None else target.lm_head.weight[vocab_ids]
         if teacher_mode == "logits":
-            teacher["teacher_logits"] = out.logits.view(bsz * seq, -1)[src]
+            logits = out.logits if vocab_ids is None else F.linear(hidden, teacher_head).float()
+            teacher["teacher_logits"] = logits.view(bsz * seq, -1)[src]
         else:
             teacher["teacher_input"] = hidden.reshape(bsz * seq, -1)[src]
-            teacher["teacher_weight"] = target.lm_head.weight
+            teacher["teacher_weight"] = teacher_head
     with torch.autocast(student.device.type, enabled=False):  # the op accumulates in fp32 itself
         loss = fused_linear_divergence(
             student,
@@ -170,6 +192,15 @@ def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normal
             **teacher,
         )
     return loss / normalizer, int((labels != -100).sum())
+
+
+def draft_vocab_labels(labels: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int, keep_others: bool) -> torch.Tensor:
+    """Labels as head-row indices of the draft vocabulary. A label outside it cannot be a CE target and
+    is ignored; for the divergences, whose labels only mark the positions trained, it stays a position
+    (row 0), where the student matches the teacher's distribution over the draft vocabulary."""
+    lut = torch.full((vocab_size,), 0 if keep_others else -100, dtype=labels.dtype, device=labels.device)
+    lut[vocab_ids] = torch.arange(len(vocab_ids), dtype=labels.dtype, device=labels.device)
+    return torch.where(labels == -100, labels, lut[labels.clamp(min=0)])
 
 
 def lr_at(step_in_stage: int, stage: Stage, cfg: TrainConfig) -> float:
@@ -278,12 +309,19 @@ class Trainer:
             model.head_weight.requires_grad_(False)
             if not resume:  # a resumed run loads its checkpoint instead
                 regression_init(model, self.target, self.dataset, cfg, self.acc)
+        if cfg.draft_vocab and not resume:
+            keep = frequent_tokens(self.dataset, cfg.draft_vocab, self.target.vocab_size)
+            with torch.no_grad():  # a zero row gets no gradient and no AdamW update: it stays zero
+                others = torch.ones(self.target.vocab_size, dtype=torch.bool)
+                others[keep] = False
+                model.head_weight[:, others] = 0
         params = [p for p in model.parameters() if p.requires_grad]
         optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.model, self.optim = self.acc.prepare(model, optim)
         self.step = 0
         if resume:
             self._load_checkpoint()
+        self.vocab_ids = self.unwrapped.draft_vocab() if cfg.draft_vocab else None
 
     def _check_output_dir(self):
         ckpts = self.out / "checkpoints"
@@ -383,7 +421,8 @@ class Trainer:
                 ctx = acc.no_sync(self.model) if not sync else contextlib.nullcontext()
                 with ctx, acc.autocast():
                     # DDP averages gradients over processes; scaling by world size turns that into a sum.
-                    loss, _ = speculator_loss(self.model, self.target, batch, cfg, max(total, 1.0) / acc.num_processes)
+                    loss, _ = speculator_loss(self.model, self.target, batch, cfg, max(total, 1.0) / acc.num_processes,
+                                              self.vocab_ids)
                     acc.backward(loss)
                 loss_sum += loss.item() / acc.num_processes
                 tokens_seen += int(batch["attention_mask"].sum()) * acc.num_processes

@@ -173,3 +173,30 @@ def test_mlp_signed_head_readout_equals_the_stored_heads(tie):
         m.head_weight[..., 0] += 1.0  # in place: the next call sees a new tensor version
     assert m.signed_readout() is None
     assert torch.equal(m.propose(h, tok, 3), reference_mlp(m.vllm_state_dict(), m.config, h, tok, 3))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_mlp_draft_vocab_proposes_as_vllm_reads_the_full_heads(signed):
+    """Heads trained on a draft vocabulary (every other row zero) are proposed from those rows plus the
+    lowest-id zero rows only, yet give vLLM's drafts on the full stored heads — including rows where
+    every draft-vocabulary logit is negative and a zero row wins the argmax."""
+    if signed:
+        m = MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, inner_dim=2 * D, n_predict=3))
+        torch.manual_seed(4)
+        m.init_regression(torch.randn(D, D) / D**0.5, torch.randn(V, D), torch.randn(V, D), scale=1.3)
+    else:
+        m = mlp()
+    live = torch.tensor([5, 17, 60])
+    with torch.no_grad():
+        cold = torch.ones(V, dtype=torch.bool)
+        cold[live] = False
+        m.head_weight[:, cold] = 0
+    m = m.double()
+    assert torch.equal(m.draft_vocab(), live)
+    assert (m.signed_readout() is not None) == signed
+    assert len(m.proposal_vocab()) == len(live) + max(m.config.top_k_tokens_per_head)
+    h, tok = torch.randn(64, D, dtype=torch.float64), torch.randint(0, V, (64,))
+    drafts = m.propose(h, tok, 3)
+    assert torch.equal(drafts, reference_mlp(m.vllm_state_dict(), m.config, h, tok, 3))
+    assert bool(torch.isin(drafts, live).any()) and not bool(torch.isin(drafts, live).all())  # both cases ran
+    assert set(drafts[~torch.isin(drafts, live)].tolist()) == {0}  # the lowest-id zero row

@@ -131,9 +131,9 @@ class MLPSpeculator(SpeculatorModel):
         (the fused proposal kernel on CUDA, its PyTorch reference elsewhere)."""
         if k > self.config.n_predict:
             raise ValueError(f"k={k} exceeds the speculator's n_predict={self.config.n_predict}")
-        weights, signed = self._proposal_weights()
+        weights, signed, vocab_ids = self._proposal_weights()
         return mlp_speculator_propose(hidden, tokens, *weights, scale_input=self.config.scale_input, num_tokens=k,
-                                      signed_head=signed)
+                                      signed_head=signed, vocab_ids=vocab_ids)
 
     @torch.no_grad()
     def propose_tree(self, hidden: torch.Tensor, tokens: torch.Tensor, depth: int | None = None) -> TreeBatch:
@@ -145,36 +145,62 @@ class MLPSpeculator(SpeculatorModel):
         depth = c.n_predict if depth is None else depth
         if depth > c.n_predict:
             raise ValueError(f"a tree of depth {depth} exceeds the speculator's n_predict={c.n_predict}")
-        weights, signed = self._proposal_weights()
+        weights, signed, vocab_ids = self._proposal_weights()
         outs = mlp_speculator_propose_topk(hidden, tokens, *weights, scale_input=c.scale_input,
-                                           top_k_per_head=c.top_k_tokens_per_head[:depth], signed_head=signed)
+                                           top_k_per_head=c.top_k_tokens_per_head[:depth], signed_head=signed,
+                                           vocab_ids=vocab_ids)
         paths, _, _ = mlp_candidate_paths(outs, c.n_candidates)
         return paths_to_tree(tokens, paths)
 
-    def _proposal_weights(self) -> tuple[tuple[list, ...], bool]:
+    def _proposal_weights(self) -> tuple[tuple[list, ...], bool, torch.Tensor | None]:
         """(emb, proj, ln weight, ln bias, head) lists over all n_predict stages, as the proposal ops take
-        them, and whether the heads are the signed readout's W (see signed_readout)."""
-        stages = [self.stage(i) for i in range(self.config.n_predict)]
-        signed = self.signed_readout()
-        heads = signed if signed is not None else [s[3] for s in stages]
-        return ([s[0].weight for s in stages], [s[1].weight for s in stages], [s[2].weight for s in stages],
-                [s[2].bias for s in stages], heads), signed is not None
+        them; whether the heads are the signed readout's W (see signed_readout); and the vocabulary ids
+        of the head rows kept (see proposal_vocab), or None for all of them. Rebuilt once per version of
+        the head tensor: any in-place change (an optimizer step, a load) makes the next call look again."""
+        w = self.head_weight
+        key = (w.data_ptr(), w._version)
+        if getattr(self, "_proposal_key", None) != key:
+            stages = [self.stage(i) for i in range(self.config.n_predict)]
+            signed = self.signed_readout()
+            heads = signed if signed is not None else [s[3] for s in stages]
+            vocab_ids = self.proposal_vocab()
+            if vocab_ids is not None:
+                heads = [h[vocab_ids].contiguous() for h in heads]
+            self._proposal = (([s[0].weight for s in stages], [s[1].weight for s in stages],
+                               [s[2].weight for s in stages], [s[2].bias for s in stages], heads),
+                              signed is not None, vocab_ids)
+            self._proposal_key = key
+        return self._proposal
 
     def signed_readout(self) -> list[torch.Tensor] | None:
         """Per stage W [V, inner/2] when every head is exactly [W, -W] (init: regression trains it so,
         with W the target's frozen lm head), else None. Such a head's logits are W·(s[:half] - s[half:]),
-        so proposing reads half the bytes. Checked once per version of the head tensor: any in-place
-        change (an optimizer step, a load) makes the next call check again."""
+        so proposing reads half the bytes."""
         w = self.head_weight
-        key = (w.data_ptr(), w._version)
-        if getattr(self, "_signed_key", None) != key:
-            half = w.shape[-1] // 2
-            pos, neg = w[..., :half], w[..., half:]
-            self._signed = None
-            if w.shape[-1] % 2 == 0 and torch.equal(pos, -neg):
-                self._signed = [pos[0 if self.config.tie_weights else i] for i in range(self.config.n_predict)]
-            self._signed_key = key
-        return self._signed
+        half = w.shape[-1] // 2
+        pos, neg = w[..., :half], w[..., half:]
+        if w.shape[-1] % 2 or not torch.equal(pos, -neg):
+            return None
+        return [pos[0 if self.config.tie_weights else i] for i in range(self.config.n_predict)]
+
+    def draft_vocab(self) -> torch.Tensor | None:
+        """Ascending ids of the tokens this speculator can propose, when training kept it to a draft
+        vocabulary (`draft_vocab`: every other head row is zero), else None."""
+        live = self.head_weight.detach().ne(0).any(-1).any(0)
+        return None if bool(live.all()) else live.nonzero().squeeze(1)
+
+    def proposal_vocab(self) -> torch.Tensor | None:
+        """The head rows proposing reads: the draft vocabulary plus its lowest-id zero rows, as many as
+        the widest top-k. A zero row's logit is exactly 0 (vLLM computes it so too), and when every
+        draft-vocabulary logit of a row is negative it wins; keeping the lowest-id ones makes argmax
+        and top-k, ties included, equal to reading every row — at N/V of the bytes."""
+        live = self.head_weight.detach().ne(0).any(-1).any(0)
+        if bool(live.all()):
+            return None
+        widest = max([1, *self.config.top_k_tokens_per_head])
+        keep = live.clone()
+        keep[(~live).nonzero().squeeze(1)[:widest]] = True
+        return keep.nonzero().squeeze(1)
 
     def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Start embeddings and heads from the target's (when inner_dim == hidden size)."""

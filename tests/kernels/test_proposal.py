@@ -200,6 +200,39 @@ def test_mlp_tree_signed_head_equals_the_stored_head(impl):
         torch.testing.assert_close(ov, rv, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_mlp_vocab_ids_map_head_rows_to_vocabulary_ids(impl):
+    """vocab_ids: the heads hold only some vocabulary rows. Drafts, top-k indices and the tokens fed to
+    the next stage's embedding are vocabulary ids: the same as reading full heads whose other rows can
+    never win (a large negative bias stands in for them here), chain and tree."""
+    emb, proj, lw, lb, head = _mlp_weights(tie=False, seed=8)
+    g = torch.Generator().manual_seed(9)
+    vocab_ids = torch.randperm(77, generator=g)[:40].sort().values
+    hidden, tokens = torch.randn(4, 24, generator=g) * 2, torch.randint(0, 77, (4,), generator=g)
+    rows = [w[vocab_ids] for w in head]
+    drafts = mlp_speculator_propose(hidden, tokens, emb, proj, lw, lb, rows, False, 2, vocab_ids=vocab_ids, _impl=impl)
+    assert bool(torch.isin(drafts[0], vocab_ids).all())
+    # the full-head reference, with the left-out rows pushed below anything the kept rows reach
+    cold = torch.ones(77, dtype=torch.bool)
+    cold[vocab_ids] = False
+    state, toks = hidden.double(), tokens
+    _, _, emb_scale = mlp_speculator_scales(3, 32)
+    for i in range(3):
+        s = state @ proj[i].double().t() + emb[i].double()[toks] * emb_scale
+        state = F.gelu(s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * lw[i].double() + lb[i].double())
+        logits = (state @ head[i].double().t()).masked_fill(cold, -1e9)
+        toks = logits.argmax(-1)
+        assert torch.equal(drafts[0][:, i], toks)
+        assert torch.equal(drafts[2][:, i, 0], toks)
+    tree = mlp_speculator_propose_topk(hidden, tokens, emb, proj, lw, lb, rows, False, [3, 2, 2], vocab_ids=vocab_ids,
+                                       _impl=impl)
+    ref = mlp_speculator_propose_topk_reference(hidden.double(), tokens, _d(emb), _d(proj), lw, lb,
+                                                [w.double() for w in rows], False, [3, 2, 2], vocab_ids=vocab_ids)
+    for (rv, ri), (ov, oi) in zip(ref, tree):
+        assert torch.equal(oi, ri) and bool(torch.isin(oi, vocab_ids).all())
+        torch.testing.assert_close(ov, rv, atol=2e-5, rtol=1e-5)
+
+
 @needs_triton
 def test_mlp_tree_topk_triton_matches_reference():
     emb, proj, lw, lb, head = _mlp_weights(seed=5)
