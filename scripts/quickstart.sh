@@ -12,4 +12,4 @@ else
   accelerate launch --num_processes 1 --cpu train/distill.py --config train/configs/mlp_quick.yaml --output_dir="$RUN"
 fi
 speculators export "$RUN" --out "$RUN/export" --force
-speculators eval "$RUN/export" --data mt-bench --k 3 --num-prompts 20 --max-new-tokens 128 --ngram --out "$RUN/eval"
+speculators eval "$RUN/export" --data mt-bench --k 3 --num-prompts 20 --max-new-tokens 128 --out "$RUN/eval"
