@@ -54,12 +54,12 @@ class TrainConfig:
     init: str = "target"
     init_samples: int = 1000  # init: regression — training rows the least-squares fit reads
     medusa_layers: int = 1
+    medusa_shared_lm_head: bool = False  # True: the target's frozen lm head (vLLM original_lm_head)
     # MLP speculator only. 0: heads over the whole vocabulary. N: a draft vocabulary (FR-Spec) of the N
     # tokens most frequent in the training data's loss tokens; every other head row stays zero, so the
     # export loads in vLLM unchanged, while the loss and the built-in engine's proposal read N/V of the
     # head: the vocabulary GEMMs are most of the cost on a CPU.
     draft_vocab: int = 0
-    medusa_shared_lm_head: bool = False  # True: the target's frozen lm head (vLLM original_lm_head)
     # draft model (kind: draft_model, DistillSpec): where the draft starts
     draft_init: str = "layers"  # layers | model | config
     draft_layers: list = field(default_factory=list)  # layers: indices of the target's decoder layers kept

@@ -194,13 +194,13 @@ class MLPSpeculator(SpeculatorModel):
         the widest top-k. A zero row's logit is exactly 0 (vLLM computes it so too), and when every
         draft-vocabulary logit of a row is negative it wins; keeping the lowest-id ones makes argmax
         and top-k, ties included, equal to reading every row — at N/V of the bytes."""
-        live = self.head_weight.detach().ne(0).any(-1).any(0)
-        if bool(live.all()):
+        draft = self.draft_vocab()
+        if draft is None:
             return None
+        others = torch.ones(self.config.vocab_size, dtype=torch.bool, device=draft.device)
+        others[draft] = False
         widest = max([1, *self.config.top_k_tokens_per_head])
-        keep = live.clone()
-        keep[(~live).nonzero().squeeze(1)[:widest]] = True
-        return keep.nonzero().squeeze(1)
+        return torch.cat([draft, others.nonzero().squeeze(1)[:widest]]).sort().values
 
     def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Start embeddings and heads from the target's (when inner_dim == hidden size)."""
