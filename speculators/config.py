@@ -39,7 +39,9 @@ class Stage:
 class TrainConfig:
     kind: str = "mlp_speculator"  # mlp_speculator | medusa | draft_model
     target: str = "smollm2-135m-instruct"
-    target_dtype: str = "bf16"  # bf16 | fp32
+    # auto: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32. An AVX2-only CPU
+    # emulates bf16 GEMMs: the target's forward ran 6x slower in bf16 than in fp32 on such a machine.
+    target_dtype: str = "auto"  # auto | bf16 | fp32
     data: str = "sharegpt"
     max_samples: int = 4000
     seq_len: int = 512
@@ -84,7 +86,7 @@ class TrainConfig:
     batch_size: int = 16  # sequences per optimizer step, over all processes
     micro_batch_size: int = 4  # sequences per forward on each process
     grad_clip: float = 1.0
-    mixed_precision: str = "bf16"  # bf16 | fp32 (autocast for the speculator; master weights stay fp32)
+    mixed_precision: str = "auto"  # auto | bf16 | fp32 (autocast for the speculator; master weights stay fp32; auto as target_dtype)
     seed: int = 0
     # checkpoints and logs
     output_dir: str = "runs/default"
@@ -100,8 +102,8 @@ class TrainConfig:
             "kind": ("mlp_speculator", "medusa", "draft_model"),
             "draft_init": ("layers", "model", "config"),
             "divergence": ("ce", "fkl", "rkl", "jsd", "tvd"),
-            "target_dtype": ("bf16", "fp32"),
-            "mixed_precision": ("bf16", "fp32"),
+            "target_dtype": ("auto", "bf16", "fp32"),
+            "mixed_precision": ("auto", "bf16", "fp32"),
             "report_to": ("none", "wandb", "tensorboard"),
             "teacher": ("auto", "hidden", "logits"),
             "init": ("random", "target", "regression"),

@@ -41,6 +41,14 @@ from .target import Target, resolve_model_path
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def resolve_precision(name: str) -> str:
+    """A recipe's dtype choice ('auto', 'bf16' or 'fp32') as 'bf16' or 'fp32' on this machine."""
+    if name != "auto":
+        return name
+    fast_bf16 = torch.cuda.is_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return "bf16" if fast_bf16 else "fp32"
+
+
 def build_speculator(cfg: TrainConfig, target: Target):
     info = {"name": target.name, "architecture": target.architecture, "vocab_size": target.vocab_size,
             "hidden_size": target.hidden_size}
@@ -284,14 +292,15 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False):
         self.cfg, self.resume = cfg, resume
         self.out = Path(cfg.output_dir)
-        self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if cfg.mixed_precision == "bf16" else "no",
+        autocast = "bf16" if resolve_precision(cfg.mixed_precision) == "bf16" else "no"
+        self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=autocast,
                                log_with=None if cfg.report_to == "none" else cfg.report_to,
                                project_dir=str(self.out))
         resolve_model_path(cfg.target)
         check_source(cfg.data)
         self._check_output_dir()
         set_seed(cfg.seed)
-        self.target = Target.load(cfg.target, DTYPES[cfg.target_dtype]).to(self.acc.device)
+        self.target = Target.load(cfg.target, DTYPES[resolve_precision(cfg.target_dtype)]).to(self.acc.device)
         self.tokenizer = self.target.tokenizer
         self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.seq_len, cfg.max_samples, cfg.seed) \
             if self.acc.is_main_process else None

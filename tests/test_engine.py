@@ -1,6 +1,10 @@
 """The built-in engine: greedy speculative decoding reproduces plain greedy decoding token for
 token, whatever the proposer proposes; sampling is reproducible per seed."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -129,3 +133,15 @@ def test_tree_sampling_needs_typical_acceptance(tiny_target):
     out = SpeculativeDecoder(tiny_target, TreeProposer(mlp, typical=True), 3).generate(
         p, SamplingParams(temperature=1.0, max_new_tokens=8))
     assert len(out.tokens) == 8
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "AUTO"), ("COMPATIBLE", "COMPATIBLE")])
+def test_import_sets_mkl_cbwr_unless_the_user_did(preset, expected):
+    """The verification forward's speed on AMD CPUs rests on MKL_CBWR being set before MKL's first
+    GEMM, that is when the package is imported; a user's own value is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    if preset is not None:
+        env["MKL_CBWR"] = preset
+    code = "import os, speculators; print(os.environ['MKL_CBWR'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected

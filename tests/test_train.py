@@ -157,3 +157,13 @@ def test_bad_input(tmp_path, tiny_target_dir, chat_file, isolated_cache):
                    "draft_vocab")
     one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh", draft_vocab=10**6)), "exceeds")
     assert not (tmp_path / "fresh").exists()
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "train" / "configs").glob("*.yaml")))
+def test_every_shipped_recipe_loads(recipe):
+    """A shipped recipe with a misspelt key or value would fail only when a user launches it."""
+    from speculators.config import load_config
+    from speculators.trainer import resolve_precision
+
+    cfg = load_config(str(REPO / "train" / "configs" / recipe), [])
+    assert {resolve_precision(cfg.target_dtype), resolve_precision(cfg.mixed_precision)} <= {"bf16", "fp32"}
