@@ -6,6 +6,10 @@ torch's CPU BLAS (MKL) takes a much slower fp32 path for a few rows on AMD CPUs 
 MKL_CBWR (which `import speculators` does) avoids it. MKL reads the variable at its first GEMM, so
 each setting runs in its own process; the two run one after the other in one invocation.
 
+It also times the batch-1 proposal's GEMV through a [16384 x 576] fp32 head (the quick recipe's draft
+vocabulary) stored row-major ([out, in], as nn.Linear keeps it) and input-major ([in, out]), which is how
+MLPSpeculator lays its heads out for the CPU proposal.
+
     python benchmarks/bench_cpu_gemm.py --tokens 1 4 5
 """
 
@@ -39,6 +43,16 @@ def measure(target: str, tokens: list[int], reps: int, threads: int) -> dict[int
             times.append(time.perf_counter() - start)
             cache.crop(-n)
         result[n] = sorted(times)[reps // 2] * 1e3
+    heads = [torch.randn(16384, model.hidden_size) for _ in range(6)]  # 226 MB: out of cache
+    x = torch.randn(1, model.hidden_size)
+    for name, mats in (("gemv row-major", heads), ("gemv input-major", [h.t().contiguous().t() for h in heads])):
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            for h in mats:
+                x @ h.t()
+            times.append((time.perf_counter() - start) / len(mats))
+        result[name] = sorted(times)[reps // 2] * 1e3
     return result
 
 
@@ -62,12 +76,18 @@ def main():
             env["MKL_CBWR"] = cbwr
         out = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env, check=True,
                              capture_output=True, text=True).stdout
-        rows[label] = {int(n): ms for n, ms in json.loads(out.strip().splitlines()[-1]).items()}
+        rows[label] = {(int(n) if n.isdigit() else n): ms for n, ms in json.loads(out.strip().splitlines()[-1]).items()}
     print(f"fp32 target forward after a 200-token prefix, {args.threads} threads, median of {args.reps}")
     print(f"| MKL | {' | '.join(f'{n} tokens (ms)' for n in args.tokens)} | {args.tokens[-1]} / 1 token |")
     print("|---|" + "---|" * (len(args.tokens) + 1))
     for label, ms in rows.items():
         print(f"| {label} | {' | '.join(f'{ms[n]:.1f}' for n in args.tokens)} | {ms[args.tokens[-1]] / ms[args.tokens[0]]:.2f}x |")
+    print("\nbatch-1 GEMV through a [16384 x 576] fp32 head, ms")
+    print("| MKL | row-major | input-major | row / input |")
+    print("|---|---|---|---|")
+    for label, ms in rows.items():
+        row, inp = ms["gemv row-major"], ms["gemv input-major"]
+        print(f"| {label} | {row:.2f} | {inp:.2f} | {row / inp:.2f}x |")
 
 
 if __name__ == "__main__":
