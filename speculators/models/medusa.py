@@ -16,7 +16,7 @@ from torch import nn
 
 from ..kernels.proposal import medusa_propose
 from ..kernels.tree import TreeBatch, medusa_tree, medusa_tree_tokens
-from .base import SpeculatorModel
+from .base import SpeculatorModel, input_major
 
 # A 9-node tree for CPU-sized verification forwards (Medusa's own 63-node trees pay off on GPUs, where
 # 64 query tokens cost about what 4 do): choice c takes the c[d]-th best token of head d at depth d.
@@ -89,15 +89,22 @@ class Medusa(SpeculatorModel):
         return torch.stack([block(hidden) for block in self.blocks])
 
     def _heads(self, k: int):
-        """(ResBlock weights [k, L, D, D], biases or None, lm head(s)) of the first k heads, as the kernel takes them."""
+        """(ResBlock weights [k, L, D, D], biases or None, lm head(s)) of the first k heads, as the kernel
+        takes them; input-major on the CPU (base.input_major). Rebuilt when k or any parameter changes
+        (an optimizer step or a load bumps its version)."""
         if k > self.config.num_heads:
             raise ValueError(f"k={k} exceeds the number of Medusa heads ({self.config.num_heads})")
-        blocks = self.blocks[:k]
-        weights = torch.stack([torch.stack([layer.weight for layer in b.layers]) for b in blocks])
-        bias = (torch.stack([torch.stack([layer.bias for layer in b.layers]) for b in blocks])
-                if self.config.medusa_fc_bias else None)
-        lm_head = self.head_weights() if self.config.original_lm_head else self.lm_head_weight[:k]
-        return weights, bias, lm_head
+        key = (k, *((p.data_ptr(), p._version) for p in self.parameters()))
+        if getattr(self, "_heads_key", None) != key:
+            blocks = self.blocks[:k]
+            weights = torch.stack([torch.stack([layer.weight for layer in b.layers]) for b in blocks]).detach()
+            bias = (torch.stack([torch.stack([layer.bias for layer in b.layers]) for b in blocks]).detach()
+                    if self.config.medusa_fc_bias else None)
+            lm_head = self.head_weights() if self.config.original_lm_head else self.lm_head_weight[:k]
+            if lm_head.device.type == "cpu":
+                weights, lm_head = input_major([weights, lm_head])
+            self._heads_cache, self._heads_key = (weights, bias, lm_head.detach()), key
+        return self._heads_cache
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:

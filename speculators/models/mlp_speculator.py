@@ -19,7 +19,7 @@ from torch import nn
 
 from ..kernels.proposal import mlp_speculator_propose, mlp_speculator_propose_topk
 from ..kernels.tree import TreeBatch, mlp_candidate_paths, paths_to_tree
-from .base import SpeculatorModel
+from .base import SpeculatorModel, input_major
 
 EPS = 1e-6
 
@@ -168,7 +168,7 @@ class MLPSpeculator(SpeculatorModel):
                 heads = [h[vocab_ids].contiguous() for h in heads]
             projs = [s[1].weight for s in stages]
             if w.device.type == "cpu":
-                heads, projs = _input_major(heads), _input_major(projs)
+                heads, projs = input_major(heads), input_major(projs)
             self._proposal = (([s[0].weight for s in stages], projs,
                                [s[2].weight for s in stages], [s[2].bias for s in stages], heads),
                               signed is not None, vocab_ids)
@@ -249,17 +249,4 @@ class MLPSpeculator(SpeculatorModel):
         # vLLM strips any "speculator." prefix; do the same so fms-extras checkpoints load too.
         tensors = {k.replace("speculator.", ""): v for k, v in tensors.items()}
         self._check_and_copy(tensors, dict(self.vllm_state_dict()))
-
-
-def _input_major(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The same [out, in] matrices stored input-major (an [in, out] contiguous tensor, viewed
-    transposed), for the CPU proposal: there a batch-1 step is a GEMV per weight, and MKL reads an
-    input-major matrix 1.7-2x faster (a [16384 x 576] fp32 head: 2.3 ms against 3.9-4.7 ms on a 2-core
-    EPYC; benchmarks/bench_cpu_gemm.py). The Triton kernels (CUDA) keep the row-major
-    weights. Tied stages share one copy."""
-    copies = {}
-    for t in weights:
-        if t.data_ptr() not in copies:
-            copies[t.data_ptr()] = t.detach().t().contiguous().t()
-    return [copies[t.data_ptr()] for t in weights]
 
