@@ -249,4 +249,3 @@ class MLPSpeculator(SpeculatorModel):
         # vLLM strips any "speculator." prefix; do the same so fms-extras checkpoints load too.
         tensors = {k.replace("speculator.", ""): v for k, v in tensors.items()}
         self._check_and_copy(tensors, dict(self.vllm_state_dict()))
-
