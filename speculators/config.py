@@ -144,7 +144,27 @@ def _strict(cls, data: dict, where: str):
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"{where}: unknown config key(s) {unknown}; known keys: {sorted(known)}")
-    return cls(**data)
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    return cls(**{k: _typed(k, v, types[k], where) for k, v in data.items()})
+
+
+def _typed(key: str, value, type_name: str, where: str):
+    """A recipe value checked against its field's type. YAML 1.1 reads `1e-3` (no dot) as a string,
+    so a float field takes any string float() accepts; anything else of the wrong type is refused
+    here, in one line, rather than deep inside the run."""
+    if type_name == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: {key}={value!r} is not a number")
+    expected = {"int": int, "bool": bool, "str": str}.get(type_name)
+    if expected and (not isinstance(value, expected) or (expected is int and isinstance(value, bool))):
+        raise ConfigError(f"{where}: {key}={value!r} is not of type {type_name}")
+    return value
 
 
 def load_config(path: str | None, overrides: list[str]) -> TrainConfig:

@@ -156,7 +156,17 @@ def test_bad_input(tmp_path, tiny_target_dir, chat_file, isolated_cache):
     one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh", kind="medusa", draft_vocab=8)),
                    "draft_vocab")
     one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh", draft_vocab=10**6)), "exceeds")
+    one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh", lr="fast")), "not a number")
+    one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh", n_predict=2.5)), "type int")
     assert not (tmp_path / "fresh").exists()
+
+
+def test_overrides_take_yaml_1_1_floats():
+    """YAML 1.1 reads 1e-3 (no dot) as a string; the README's own `--lr=3e-4` must be the number."""
+    from speculators.config import load_config
+
+    assert load_config(None, ["--lr=3e-4", "--beta", "1"]).lr == 3e-4
+    assert load_config(None, ["--beta", "1"]).beta == 1.0
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "train" / "configs").glob("*.yaml")))
