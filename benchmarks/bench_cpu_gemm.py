@@ -68,12 +68,9 @@ def main():
         print(json.dumps(measure(args.target, args.tokens, args.reps, args.threads)))
         return
     rows = {}
-    for label, cbwr in (("MKL default", None), ("MKL_CBWR=AUTO", "AUTO")):
-        env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
-        if cbwr is None:
-            env["MKL_CBWR"] = ""  # an empty value keeps MKL's default and stops `import speculators` setting one
-        else:
-            env["MKL_CBWR"] = cbwr
+    # An empty value keeps MKL's default and stops `import speculators` setting one.
+    for label, cbwr in (("MKL default", ""), ("MKL_CBWR=AUTO", "AUTO")):
+        env = {**os.environ, "MKL_CBWR": cbwr}
         out = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env, check=True,
                              capture_output=True, text=True).stdout
         rows[label] = {(int(n) if n.isdigit() else n): ms for n, ms in json.loads(out.strip().splitlines()[-1]).items()}

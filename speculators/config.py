@@ -153,13 +153,11 @@ def _typed(key: str, value, type_name: str, where: str):
     so a float field takes any string float() accepts; anything else of the wrong type is refused
     here, in one line, rather than deep inside the run."""
     if type_name == "float":
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
+        try:
+            if not isinstance(value, bool):
                 return float(value)
-            except ValueError:
-                pass
+        except (TypeError, ValueError):
+            pass
         raise ConfigError(f"{where}: {key}={value!r} is not a number")
     expected = {"int": int, "bool": bool, "str": str}.get(type_name)
     if expected and (not isinstance(value, expected) or (expected is int and isinstance(value, bool))):
