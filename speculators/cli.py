@@ -1,8 +1,9 @@
-"""`speculators fetch | export | eval` — bad input ends in one line on stderr and exit code 2."""
+"""`speculators fetch | export | eval | generate` — bad input ends in one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -32,18 +33,14 @@ def _export(args):
     print(f"exported to {out}")
 
 
-def _eval(args):
-    import torch
-
+def _load_proposers(args) -> tuple[str, dict]:
+    """(target name, {name: proposer}) for eval and generate: the checkpoint (a speculator, or a draft
+    model), every --draft, --ngram; --tree adds a tree-drafting twin of a speculator."""
     from .draft import check_draft_against_target, is_draft_checkpoint, load_draft
-    from .engine import DraftModelProposer, HeadProposer, NgramProposer, SamplingParams, TreeProposer
-    from .evaluate import evaluate, summary_lines
+    from .engine import DraftModelProposer, HeadProposer, NgramProposer, TreeProposer
     from .export.vllm_format import check_against_target, find_checkpoint, load_speculator
-    from .target import Target
 
-    torch.manual_seed(args.seed)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    drafts = [spec if "=" in spec else f"{Path(spec).name}={spec}" for spec in args.draft]
+    drafts = [spec if "=" in spec else f"{Path(spec).name}={spec}" for spec in getattr(args, "draft", [])]
     head = None
     if args.checkpoint:
         if is_draft_checkpoint(find_checkpoint(args.checkpoint)):
@@ -53,39 +50,135 @@ def _eval(args):
     loaded = {}
     for spec in drafts:
         name, _, path = spec.partition("=")
-        loaded[name] = load_draft(find_checkpoint(path), dtype)
+        loaded[name] = load_draft(find_checkpoint(path), _dtype(args))
     recorded = [head.config.speculators_target.get("name")] if head is not None else []
     recorded += [(getattr(m.config, "speculators_target", None) or {}).get("name") for m, _ in loaded.values()]
     target_name = args.target or next((r for r in recorded if r), None)
     if not target_name and (head is not None or loaded):
         raise AssetError("the checkpoint does not record its target; pass --target")
     target_name = target_name or "smollm2-135m-instruct"
+    if args.tree and head is None:
+        raise ValueError("--tree drafts from an MLP-speculator or Medusa checkpoint; give one")
+    if args.typical and not args.tree:
+        raise ValueError("--typical is tree verification's sampling rule; add --tree")
+    if args.tree and args.temperature > 0 and not args.typical:
+        raise ValueError("--tree at --temperature > 0 needs --typical (Medusa-2's typical acceptance, which does "
+                         "not preserve the target's distribution); drop --tree to sample exactly")
     proposers = {}
     if head is not None:
         check_against_target(head, target_name)
         proposers[head.config.MODEL_TYPE] = HeadProposer(head)
         if args.tree:
-            if args.temperature > 0:
-                raise ValueError("--tree verifies greedily (typical acceptance would change the output "
-                                 "distribution); drop --tree or use --temperature 0")
-            proposers[f"{head.config.MODEL_TYPE}-tree"] = TreeProposer(head)
+            proposers[f"{head.config.MODEL_TYPE}-tree"] = TreeProposer(head, typical=args.typical)
     for name, (model, tokenizer) in loaded.items():
         check_draft_against_target(model, tokenizer, target_name)
         proposers[name] = DraftModelProposer(model)
     if args.ngram:
         proposers["ngram"] = NgramProposer(1, 4)
+    return target_name, proposers
+
+
+def _dtype(args):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+
+
+def _sampling(args):
+    from .engine import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_new_tokens=args.max_new_tokens, seed=args.seed)
+
+
+def _eval(args):
+    import torch
+
+    from .evaluate import evaluate, summary_lines
+    from .target import Target
+
+    torch.manual_seed(args.seed)
+    target_name, proposers = _load_proposers(args)
     if not proposers:
         raise ValueError("nothing to evaluate: give a checkpoint, --draft or --ngram")
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    target = Target.load(target_name, dtype)
-    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        max_new_tokens=args.max_new_tokens, seed=args.seed)
-    results = evaluate(target, proposers, args.data, args.k, sp, args.num_prompts, args.out)
+    target = Target.load(target_name, _dtype(args))
+    results = evaluate(target, proposers, args.data, args.k, _sampling(args), args.num_prompts, args.out)
     print("\n".join(summary_lines(results)))
     if args.out:
         print(f"wrote {args.out}/eval.json and {args.out}/acceptance.png")
     if args.json:
         print(json.dumps(results))
+
+
+def _generate(args):
+    import torch
+
+    from .data import chat_ids
+    from .engine import SpeculativeDecoder
+    from .target import Target
+
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        lines = Path(args.prompt_file).read_text().splitlines()
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise ValueError("no prompt: give --prompt TEXT (repeatable) or --prompt-file FILE (one prompt per line)")
+    target_name, proposers = _load_proposers(args)
+    if len(proposers) > 1:  # the tree replaces the chain; a draft and --ngram are alternatives
+        proposers = {n: p for n, p in proposers.items() if n.endswith("-tree")} or proposers
+    if len(proposers) > 1:
+        raise ValueError(f"generate runs one proposer, got {sorted(proposers)}; give either a checkpoint or --ngram")
+    name, proposer = next(iter(proposers.items()), ("plain", None))
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    target = Target.load(target_name, _dtype(args))
+    tok = target.tokenizer
+    decoder = SpeculativeDecoder(target, proposer, args.k if proposer is not None else 0)
+    sp = _sampling(args)
+    for i, text in enumerate(prompts):
+        ids = tok(text, add_special_tokens=False)["input_ids"] if args.raw else \
+            chat_ids(tok, [{"role": "user", "content": text}])
+        st = decoder.generate(ids, dataclasses.replace(sp, seed=sp.seed + i))
+        rec = {
+            "prompt": text,
+            "output": tok.decode(st.tokens, skip_special_tokens=True),
+            "proposer": name,
+            "tokens": len(st.tokens),
+            "target_forwards": st.target_forwards,
+            "tau": st.steps_tokens / max(st.target_forwards, 1),
+            "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(st.accepted, st.drafted)],
+            "tokens_per_s": len(st.tokens) / st.seconds,
+        }
+        if args.json:
+            print(json.dumps(rec), flush=True)
+        else:
+            print(rec["output"], flush=True)
+            acc = " / ".join(f"{a:.2f}" for a in rec["acceptance_per_position"])
+            print(f"[{name}: {rec['tokens']} tokens, {rec['target_forwards']} target forwards, tau {rec['tau']:.2f}"
+                  + (f", acceptance {acc}" if acc else "") + f", {rec['tokens_per_s']:.1f} tokens/s]",
+                  file=sys.stderr, flush=True)
+
+
+def _add_proposer_args(p, what: str):
+    p.add_argument("checkpoint", nargs="?", help=f"a speculator or draft-model checkpoint or export to {what}")
+    p.add_argument("--target", help="the target model (default: the one recorded in the checkpoint)")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per target forward")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ngram", action="store_true", help="vLLM's n-gram prompt lookup (n <= 4) as a proposer")
+    p.add_argument("--tree", action="store_true",
+                   help="draft candidate trees with the speculator (MLP: top_k_tokens_per_head and n_candidates "
+                        "from its config; Medusa: a 9-node choice tree), verified in one target forward")
+    p.add_argument("--typical", action="store_true",
+                   help="with --tree and --temperature > 0: Medusa-2's typical acceptance (faster, but it does not "
+                        "preserve the target's distribution)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.add_argument("--allow-pickle", action="store_true")
 
 
 def main(argv=None):
@@ -108,28 +201,20 @@ def main(argv=None):
     p.set_defaults(fn=_export)
 
     p = sub.add_parser("eval", help="speculative decoding with the built-in engine: tau, acceptance, speedup")
-    p.add_argument("checkpoint", nargs="?", help="a speculator or draft-model checkpoint or export")
+    _add_proposer_args(p, "evaluate")
     p.add_argument("--draft", action="append", default=[], metavar="[NAME=]PATH",
                    help="also evaluate this draft model (repeatable), e.g. undistilled=runs/x/initial")
-    p.add_argument("--target")
     p.add_argument("--data", nargs="+", default=["mt-bench"], choices=["mt-bench", "humaneval"])
-    p.add_argument("--k", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=20)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ngram", action="store_true", help="also run vLLM's n-gram prompt lookup as a baseline")
-    p.add_argument("--tree", action="store_true",
-                   help="also draft candidate trees with the speculator (MLP: top_k_tokens_per_head and n_candidates "
-                        "from its config; Medusa: a 9-node choice tree), greedy")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--threads", type=int)
     p.add_argument("--out", help="directory for eval.json and acceptance.png")
-    p.add_argument("--json", action="store_true", help="also print the results as JSON")
-    p.add_argument("--allow-pickle", action="store_true")
     p.set_defaults(fn=_eval)
+
+    p = sub.add_parser("generate", help="decode prompts with speculative decoding and print the text and its tau")
+    _add_proposer_args(p, "draft with (none: plain decoding)")
+    p.add_argument("--prompt", action="append", default=[], help="a user message (repeatable)")
+    p.add_argument("--prompt-file", help="a text file, one user message per line")
+    p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
+    p.set_defaults(fn=_generate)
 
     args = parser.parse_args(argv)
     try:

@@ -1,6 +1,7 @@
 """The built-in engine: greedy speculative decoding reproduces plain greedy decoding token for
 token, whatever the proposer proposes; sampling is reproducible per seed."""
 
+import json
 import os
 import subprocess
 import sys
@@ -145,3 +146,42 @@ def test_import_sets_mkl_cbwr_unless_the_user_did(preset, expected):
     code = "import os, speculators; print(os.environ['MKL_CBWR'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected
+
+
+def run_generate(*args):
+    proc = subprocess.run([sys.executable, "-m", "speculators.cli", "generate", *map(str, args)],
+                          capture_output=True, text=True)
+    return proc, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_generate_cli_is_plain_greedy_decoding_for_every_proposer(tmp_path, tiny_target_dir):
+    torch.manual_seed(0)
+    MLPSpeculator(MLPSpeculatorConfig(vocab_size=49152, emb_dim=64, n_predict=3,
+                                      speculators_target={"name": str(tiny_target_dir)})).save_pretrained(tmp_path / "mlp")
+    common = ["--target", tiny_target_dir, "--raw", "--json", "--max-new-tokens", 12, "--k", 3,
+              "--prompt", "the cat sat on the", "--prompt", "1 2 3 4"]
+    plain_proc, plain = run_generate(*common)
+    assert plain_proc.returncode == 0, plain_proc.stderr
+    assert [r["proposer"] for r in plain] == ["plain", "plain"] and all(r["tokens"] == 12 for r in plain)
+    for extra, name in (([tmp_path / "mlp"], "mlp_speculator"), ([tmp_path / "mlp", "--tree"], "mlp_speculator-tree"),
+                        (["--ngram"], "ngram")):
+        proc, recs = run_generate(*extra, *common)
+        assert proc.returncode == 0, proc.stderr
+        assert [r["proposer"] for r in recs] == [name, name]
+        assert [r["output"] for r in recs] == [r["output"] for r in plain], name
+
+
+def test_generate_cli_tree_sampling_needs_typical(tmp_path, tiny_target_dir):
+    torch.manual_seed(0)
+    MLPSpeculator(MLPSpeculatorConfig(vocab_size=49152, emb_dim=64, n_predict=3,
+                                      speculators_target={"name": str(tiny_target_dir)})).save_pretrained(tmp_path / "mlp")
+    args = [tmp_path / "mlp", "--target", tiny_target_dir, "--raw", "--json", "--max-new-tokens", 6, "--tree",
+            "--temperature", 1.0, "--prompt", "hello"]
+    proc, _ = run_generate(*args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("speculators generate: error: --tree at --temperature > 0 needs --typical")
+    proc, recs = run_generate(*args, "--typical")
+    assert proc.returncode == 0, proc.stderr
+    assert recs[0]["tokens"] == 6
+    proc, _ = run_generate("--target", tiny_target_dir)
+    assert proc.returncode == 2 and "no prompt" in proc.stderr
