@@ -80,6 +80,9 @@ class TrainConfig:
     teacher: str = "auto"
     # optimisation
     stages: list = field(default_factory=lambda: [{"name": "stage1", "data": "dataset", "steps": 100}])
+    # adamw: torch's, 8 bytes of state per parameter; adamw8bit: the same update on 8-bit moments,
+    # 2 bytes (speculators/optim.py), for a draft of 0.5B+ parameters where the state dominates memory.
+    optimizer: str = "adamw"
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 20
@@ -107,6 +110,7 @@ class TrainConfig:
             "report_to": ("none", "wandb", "tensorboard"),
             "teacher": ("auto", "hidden", "logits"),
             "init": ("random", "target", "regression"),
+            "optimizer": ("adamw", "adamw8bit"),
         }
         for key, allowed in checks.items():
             if getattr(self, key) not in allowed:

@@ -36,6 +36,7 @@ from .draft import build_draft
 from .kernels.fused_linear_divergence import fused_linear_divergence
 from .models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculatorConfig
 from .models.base import atomic_write_dir
+from .optim import AdamW8bit
 from .target import Target, resolve_model_path
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -325,7 +326,8 @@ class Trainer:
                 others[keep] = False
                 model.head_weight[:, others] = 0
         params = [p for p in model.parameters() if p.requires_grad]
-        optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        optim = (AdamW8bit if cfg.optimizer == "adamw8bit" else torch.optim.AdamW)(
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.model, self.optim = self.acc.prepare(model, optim)
         self.step = 0
         if resume:

@@ -47,9 +47,10 @@ def test_loss_decreases(tmp_path, tiny_target_dir, chat_file, isolated_cache, ki
     assert (out / "final" / "config.json").exists()
 
 
-def test_resume_is_exact(tmp_path, tiny_target_dir, chat_file, isolated_cache):
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+def test_resume_is_exact(tmp_path, tiny_target_dir, chat_file, isolated_cache, optimizer):
     full = tmp_path / "full"
-    train_in_process(overrides(tiny_target_dir, chat_file, full))
+    train_in_process(overrides(tiny_target_dir, chat_file, full, optimizer=optimizer))
     # Rewind a copy of the run to its step-3 checkpoint, as if it had been killed there.
     part = tmp_path / "part"
     shutil.copytree(full, part)
@@ -59,7 +60,7 @@ def test_resume_is_exact(tmp_path, tiny_target_dir, chat_file, isolated_cache):
     from speculators.config import load_config
     from speculators.trainer import Trainer
 
-    Trainer(load_config(None, overrides(tiny_target_dir, chat_file, part)), resume=True).train()
+    Trainer(load_config(None, overrides(tiny_target_dir, chat_file, part, optimizer=optimizer)), resume=True).train()
     a, b = weights(full), weights(part)
     for name in a:
         assert torch.equal(a[name], b[name]), name
