@@ -19,6 +19,10 @@ from __future__ import annotations
 import torch
 
 BLOCK = 256
+# A step walks each parameter in chunks of this many blocks (4 MB of fp32 per temporary): the dozen
+# elementwise passes of dequantize-update-quantize then run in cache instead of over DRAM, and the
+# extra memory is one chunk's, not one parameter's.
+CHUNK_BLOCKS = 4096
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -28,28 +32,31 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_signed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes [blocks, BLOCK], fp32 scales [blocks]) of x, flattened and zero-padded."""
     b = _blocks(x.float())
     scale = b.abs().amax(1, keepdim=True).clamp(min=1e-30)
     code = torch.round(127 * b.sign() * (b.abs() / scale).sqrt()).to(torch.int8)
     return code, scale.squeeze(1)
 
 
-def dequantize_signed(code: torch.Tensor, scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def dequantize_signed(code: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n values (flat fp32) of quantize_signed's blocks."""
     c = code.float() / 127
-    return (c.sign() * c * c * scale[:, None]).reshape(-1)[: like.numel()].view_as(like)
+    return (c.sign() * c * c * scale[:, None]).view(-1)[:n]
 
 
 def quantize_unsigned_sqrt(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes, fp32 scales) of v >= 0, stored as sqrt(v), each code rounded up."""
     w = _blocks(v.float().sqrt())
     scale = w.amax(1, keepdim=True).clamp(min=1e-30)
     code = torch.ceil(255 * (w / scale).sqrt()).clamp(max=255).to(torch.uint8)
     return code, scale.squeeze(1)
 
 
-def dequantize_unsigned_sqrt(code: torch.Tensor, scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def dequantize_unsigned_sqrt(code: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
     c = code.float() / 255
     w = c * c * scale[:, None]
-    return (w * w).reshape(-1)[: like.numel()].view_as(like)
+    return (w * w).view(-1)[:n]
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -66,29 +73,42 @@ class AdamW8bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("AdamW8bit does not take sparse gradients")
-                grad = p.grad.float()
                 st = self.state[p]
                 if not st:
+                    n_blocks = -(-p.numel() // BLOCK)
                     st["step"] = torch.zeros((), dtype=torch.float32)
-                    st["m_code"], st["m_scale"] = quantize_signed(torch.zeros_like(grad))
-                    st["v_code"], st["v_scale"] = quantize_unsigned_sqrt(torch.zeros_like(grad))
+                    st["m_code"] = torch.zeros(n_blocks, BLOCK, dtype=torch.int8, device=p.device)
+                    st["m_scale"] = torch.full((n_blocks,), 1e-30, device=p.device)
+                    st["v_code"] = torch.zeros(n_blocks, BLOCK, dtype=torch.uint8, device=p.device)
+                    st["v_scale"] = torch.full((n_blocks,), 1e-30, device=p.device)
                 st["step"] += 1
-                t = float(st["step"])
-                m = dequantize_signed(st["m_code"], st["m_scale"], grad).lerp_(grad, 1 - beta1)
-                v = dequantize_unsigned_sqrt(st["v_code"], st["v_scale"], grad).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
-                p.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-group["lr"] / (1 - beta1**t))
-                st["m_code"], st["m_scale"] = quantize_signed(m)
-                st["v_code"], st["v_scale"] = quantize_unsigned_sqrt(v)
+                flat = p.data.reshape(-1)  # a view unless p is not contiguous (then written back below)
+                grad = p.grad.reshape(-1)
+                for b0 in range(0, st["m_code"].shape[0], CHUNK_BLOCKS):
+                    b1 = b0 + CHUNK_BLOCKS
+                    e0, e1 = b0 * BLOCK, min(b1 * BLOCK, flat.numel())
+                    self._update(flat[e0:e1], grad[e0:e1], st, slice(b0, b1), group, float(st["step"]))
+                if flat.data_ptr() != p.data.data_ptr():
+                    p.data.copy_(flat.view_as(p))
         return loss
 
+    @staticmethod
+    def _update(param, grad, st, blocks: slice, group, t: float):
+        beta1, beta2 = group["betas"]
+        n = param.numel()
+        g = grad.float()
+        m = dequantize_signed(st["m_code"][blocks], st["m_scale"][blocks], n).lerp_(g, 1 - beta1)
+        v = dequantize_unsigned_sqrt(st["v_code"][blocks], st["v_scale"][blocks], n).mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
+        param.addcdiv_(m.to(param.dtype), denom.to(param.dtype), value=-group["lr"] / (1 - beta1**t))
+        st["m_code"][blocks], st["m_scale"][blocks] = quantize_signed(m)
+        st["v_code"][blocks], st["v_scale"][blocks] = quantize_unsigned_sqrt(v)
 
     def load_state_dict(self, state_dict):
         # Optimizer.load_state_dict casts every state tensor of a float parameter to its dtype; the codes stay bytes.
