@@ -78,6 +78,11 @@ class TrainConfig:
     # once per position, shared by all heads (4 of 4+H vocab GEMMs saved: the CPU default, where
     # memory is plentiful and GEMMs are the bottleneck); "auto" picks by device.
     teacher: str = "auto"
+    # true: run the target once over every data-set row at the start (fixed micro-batches, so resume and
+    # DDP stay exact) and train dataset stages from those hidden states, without a target forward per
+    # step. Holds rows x tokens x hidden size values in memory (600 x 256 x 576 in fp32: 0.35 GB), so it
+    # suits recipes that revisit a small data set; the least-squares start reads the same cache.
+    cache_hidden: bool = False
     # optimisation
     stages: list = field(default_factory=lambda: [{"name": "stage1", "data": "dataset", "steps": 100}])
     # adamw: torch's, 8 bytes of state per parameter; adamw8bit: the same update on 8-bit moments,

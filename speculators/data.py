@@ -201,7 +201,8 @@ def eval_prompts(name: str, n: int | None = None) -> list[list[dict]]:
 
 
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a list of tokenized rows into input_ids, attention_mask and loss_mask."""
+    """Right-pad a list of tokenized rows into input_ids, attention_mask and loss_mask (and "hidden",
+    the target's cached hidden states, where the rows carry them: see trainer.cache_target_hidden)."""
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -211,7 +212,10 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, :n] = torch.tensor(r["input_ids"])
         attn[i, :n] = 1
         mask[i, :n] = torch.tensor(r["loss_mask"])
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+    if "hidden" in rows[0]:
+        batch["hidden"] = torch.nn.utils.rnn.pad_sequence([r["hidden"] for r in rows], batch_first=True)
+    return batch
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:

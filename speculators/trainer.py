@@ -79,7 +79,7 @@ def build_speculator(cfg: TrainConfig, target: Target):
 
 
 @torch.no_grad()
-def regression_init(model: MLPSpeculator, target: Target, dataset: Dataset, cfg: TrainConfig, acc: Accelerator) -> None:
+def regression_init(model: MLPSpeculator, target: Target, dataset, cfg: TrainConfig, acc: Accelerator) -> None:
     """init: regression. Fit by least squares the linear map from (h_t, embedding of x_{t+1}) to
     h_{t+1} — the target's next post-norm hidden state, whose lm-head readout is its prediction of
     x_{t+2} — over the first `init_samples` rows, and start every stage as that predictor
@@ -100,7 +100,7 @@ def regression_init(model: MLPSpeculator, target: Target, dataset: Dataset, cfg:
                       unit="batch"):
         batch = collate([dataset[i] for i in mine[start : start + micro]], target.tokenizer.pad_token_id)
         ids, attn = batch["input_ids"].to(acc.device), batch["attention_mask"].to(acc.device)
-        hidden = target(ids, attn, logits=False).hidden.double()
+        hidden = (batch["hidden"].to(acc.device) if "hidden" in batch else target(ids, attn, logits=False).hidden).double()
         keep = (attn[:, 1:] * batch["loss_mask"][:, 1:].to(acc.device)).bool()
         feats = torch.cat([hidden[:, :-1], embed[ids[:, 1:]].double(), torch.ones_like(hidden[:, :-1, :1])], -1)[keep]
         nxt = hidden[:, 1:][keep]
@@ -117,6 +117,21 @@ def regression_init(model: MLPSpeculator, target: Target, dataset: Dataset, cfg:
     token_vectors = embed.float() @ sol[D : 2 * D] + sol[2 * D]
     model.init_regression(sol[:D].T.contiguous(), token_vectors, target.lm_head.weight.float(),
                           scale=float((stats[0] / stats[1]).sqrt()))
+
+
+@torch.no_grad()
+def cache_target_hidden(target: Target, dataset: Dataset, micro: int, device, show: bool) -> list[dict]:
+    """cache_hidden: every row of the data set with "hidden", the target's post-norm hidden states
+    [tokens, D] on the CPU. Rows are run in data-set order in fixed groups of `micro`, the same on
+    every process and after a resume, so the values never depend on how a run was split or restarted."""
+    rows = [dataset[i] for i in range(len(dataset))]
+    for start in tqdm(range(0, len(rows), micro), desc="cache: target hidden states", disable=not show, unit="batch"):
+        group = rows[start : start + micro]
+        batch = collate(group, target.tokenizer.pad_token_id)
+        hidden = target(batch["input_ids"].to(device), batch["attention_mask"].to(device), logits=False).hidden.cpu()
+        for row, h in zip(group, hidden):
+            row["hidden"] = h[: len(row["input_ids"])].clone()
+    return rows
 
 
 def frequent_tokens(dataset: Dataset, n: int, vocab_size: int) -> torch.Tensor:
@@ -146,8 +161,7 @@ def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normal
     ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     use_teacher = cfg.divergence != "ce"
     teacher_mode = cfg.teacher if cfg.teacher != "auto" else ("hidden" if ids.is_cuda else "logits")
-    out = target(ids, attn, logits=use_teacher and teacher_mode == "logits" and vocab_ids is None)
-    hidden = out.hidden
+    hidden = batch["hidden"] if "hidden" in batch else target(ids, attn, logits=False).hidden
     if cfg.kind == "draft_model":
         states = model(ids, attn)  # [1, B, T, D]: the draft's own final hidden states
     else:
@@ -183,7 +197,7 @@ def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normal
         src = (rows[None] + ahead).clamp(max=bsz * seq - 1)
         teacher_head = target.lm_head.weight if vocab_ids is None else target.lm_head.weight[vocab_ids]
         if teacher_mode == "logits":
-            logits = out.logits if vocab_ids is None else F.linear(hidden, teacher_head).float()
+            logits = (target.lm_head(hidden) if vocab_ids is None else F.linear(hidden, teacher_head)).float()
             teacher["teacher_logits"] = logits.view(bsz * seq, -1)[src]
         else:
             teacher["teacher_input"] = hidden.reshape(bsz * seq, -1)[src]
@@ -309,6 +323,9 @@ class Trainer:
         if self.dataset is None:
             self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.seq_len, cfg.max_samples, cfg.seed)
         model = build_draft(cfg, self.target) if cfg.kind == "draft_model" else build_speculator(cfg, self.target)
+        # dataset stages read these rows: the data set's, with the target's hidden states when cache_hidden
+        self.rows = (cache_target_hidden(self.target, self.dataset, cfg.micro_batch_size, self.acc.device,
+                                         self.acc.is_main_process) if cfg.cache_hidden else self.dataset)
         if self.acc.is_main_process:  # only now: bad input above (a draft's vocabulary too) leaves no directory behind
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -318,7 +335,7 @@ class Trainer:
         if cfg.kind == "mlp_speculator" and cfg.init == "regression":
             model.head_weight.requires_grad_(False)
             if not resume:  # a resumed run loads its checkpoint instead
-                regression_init(model, self.target, self.dataset, cfg, self.acc)
+                regression_init(model, self.target, self.rows, cfg, self.acc)
         if cfg.draft_vocab and not resume:
             keep = frequent_tokens(self.dataset, cfg.draft_vocab, self.target.vocab_size)
             with torch.no_grad():  # a zero row gets no gradient and no AdamW update: it stays zero
@@ -357,7 +374,7 @@ class Trainer:
 
     def stage_data(self, idx: int, stage: Stage) -> Dataset | None:
         if stage.data == "dataset":
-            return self.dataset
+            return self.rows
         if stage.data == "draft":
             return None  # generated step by step
         # Generated once per process and kept beside the checkpoints, so --resume reuses it.

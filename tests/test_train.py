@@ -47,10 +47,10 @@ def test_loss_decreases(tmp_path, tiny_target_dir, chat_file, isolated_cache, ki
     assert (out / "final" / "config.json").exists()
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
-def test_resume_is_exact(tmp_path, tiny_target_dir, chat_file, isolated_cache, optimizer):
+@pytest.mark.parametrize("extra", [{}, {"optimizer": "adamw8bit"}, {"cache_hidden": True}])
+def test_resume_is_exact(tmp_path, tiny_target_dir, chat_file, isolated_cache, extra):
     full = tmp_path / "full"
-    train_in_process(overrides(tiny_target_dir, chat_file, full, optimizer=optimizer))
+    train_in_process(overrides(tiny_target_dir, chat_file, full, **extra))
     # Rewind a copy of the run to its step-3 checkpoint, as if it had been killed there.
     part = tmp_path / "part"
     shutil.copytree(full, part)
@@ -60,10 +60,25 @@ def test_resume_is_exact(tmp_path, tiny_target_dir, chat_file, isolated_cache, o
     from speculators.config import load_config
     from speculators.trainer import Trainer
 
-    Trainer(load_config(None, overrides(tiny_target_dir, chat_file, part, optimizer=optimizer)), resume=True).train()
+    Trainer(load_config(None, overrides(tiny_target_dir, chat_file, part, **extra)), resume=True).train()
     a, b = weights(full), weights(part)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("kind", ["mlp_speculator", "medusa"])
+def test_cached_hidden_states_give_the_same_training(tmp_path, tiny_target_dir, chat_file, isolated_cache, kind):
+    """cache_hidden only moves the target's forward to the start: the same losses, step by step (up to
+    the rounding of batching the target's rows differently), and weights that match."""
+    runs = {}
+    for cache in (False, True):
+        out = tmp_path / f"cache{cache}"
+        train_in_process(overrides(tiny_target_dir, chat_file, out, kind=kind, cache_hidden=cache, lr=3e-3))
+        runs[cache] = [json.loads(line)["loss"] for line in (out / "history.jsonl").read_text().splitlines()]
+    assert runs[True] == pytest.approx(runs[False], rel=1e-4)
+    a, b = weights(tmp_path / "cacheFalse"), weights(tmp_path / "cacheTrue")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4)
 
 
 def test_regression_init_learns_with_the_target_head_frozen(tmp_path, tiny_target_dir, chat_file, isolated_cache):
@@ -103,10 +118,13 @@ def test_draft_vocab_trains_only_its_rows(tmp_path, tiny_target_dir, chat_file, 
         assert torch.equal(heads[0][expected], torch.cat([lm_head, -lm_head], 1)[expected])
 
 
-@pytest.mark.parametrize("init", ["target", "regression"])
+@pytest.mark.parametrize("init", ["target", "regression", "regression+cache_hidden"])
 def test_ddp_matches_single_process(tmp_path, tiny_target_dir, chat_file, isolated_cache, init):
-    # regression: each process sums its rows' normal equations, so the fit must still match.
-    extra = {"init": init, "scale_input": False} if init == "regression" else {}
+    # regression: each process sums its rows' normal equations, so the fit must still match;
+    # cache_hidden: every process caches every row, in the same fixed batches.
+    extra = {"init": "regression", "scale_input": False} if init.startswith("regression") else {}
+    if init.endswith("cache_hidden"):
+        extra["cache_hidden"] = True
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     p1 = run(overrides(tiny_target_dir, chat_file, single, steps=4, **extra),
              [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu"])
