@@ -55,6 +55,9 @@ class TrainConfig:
     # target's next hidden state, read out through the target's frozen lm head; see trainer.regression_init).
     init: str = "target"
     init_samples: int = 1000  # init: regression — training rows the least-squares fit reads
+    # init: regression — 0: each token's vector is linear in the target's embedding; λ > 0: every token
+    # also gets its own offset, ridge-shrunk by λ occurrences (see trainer.regression_init)
+    init_token_bias: float = 0.0
     medusa_layers: int = 1
     medusa_shared_lm_head: bool = False  # True: the target's frozen lm head (vLLM original_lm_head)
     # MLP speculator only. 0: heads over the whole vocabulary. N: a draft vocabulary (FR-Spec) of the N
@@ -132,6 +135,8 @@ class TrainConfig:
         if self.init == "regression":
             if self.kind != "mlp_speculator" or self.scale_input:
                 raise ConfigError("init: regression is for kind: mlp_speculator with scale_input: false")
+        if self.init_token_bias < 0 or (self.init_token_bias and self.init != "regression"):
+            raise ConfigError(f"init_token_bias={self.init_token_bias}: give 0, or a shrinkage > 0 with init: regression")
         if self.draft_vocab < 0 or (self.draft_vocab and self.kind != "mlp_speculator"):
             raise ConfigError(f"draft_vocab={self.draft_vocab}: give 0 (the whole vocabulary) or, for kind: "
                               f"mlp_speculator, the number of tokens the speculator may propose")

@@ -118,13 +118,14 @@ def test_draft_vocab_trains_only_its_rows(tmp_path, tiny_target_dir, chat_file, 
         assert torch.equal(heads[0][expected], torch.cat([lm_head, -lm_head], 1)[expected])
 
 
-@pytest.mark.parametrize("init", ["target", "regression", "regression+cache_hidden"])
+@pytest.mark.parametrize("init", ["target", "regression", "regression+cache_hidden+token_bias"])
 def test_ddp_matches_single_process(tmp_path, tiny_target_dir, chat_file, isolated_cache, init):
     # regression: each process sums its rows' normal equations, so the fit must still match;
-    # cache_hidden: every process caches every row, in the same fixed batches.
+    # cache_hidden: every process caches every row, in the same fixed batches; token_bias: the per-token
+    # sums are reduced too.
     extra = {"init": "regression", "scale_input": False} if init.startswith("regression") else {}
-    if init.endswith("cache_hidden"):
-        extra["cache_hidden"] = True
+    if init.endswith("token_bias"):
+        extra.update(cache_hidden=True, init_token_bias=1.0)
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     p1 = run(overrides(tiny_target_dir, chat_file, single, steps=4, **extra),
              [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu"])
@@ -196,3 +197,28 @@ def test_every_shipped_recipe_loads(recipe):
 
     cfg = load_config(str(REPO / "train" / "configs" / recipe), [])
     assert {resolve_precision(cfg.target_dtype), resolve_precision(cfg.mixed_precision)} <= {"bf16", "fp32"}
+
+
+def test_token_bias_solve_is_the_joint_ridge_regression():
+    """solve_with_token_bias (offsets eliminated from sufficient statistics) equals the ridge solve
+    with explicit one-hot token features, tokens that never occur keeping a zero offset."""
+    from speculators.trainer import solve_with_token_bias
+
+    torch.manual_seed(0)
+    N, D, V, lam, ridge = 300, 3, 12, 2.0, 1e-3
+    embed = torch.randn(V, D, dtype=torch.float64)
+    x = torch.randint(0, V - 2, (N,))  # the last two tokens never occur
+    h = torch.randn(N, D, dtype=torch.float64)
+    feats = torch.cat([h, embed[x], torch.ones(N, 1, dtype=torch.float64)], 1)
+    y = feats @ torch.randn(2 * D + 1, D, dtype=torch.float64) + torch.randn(V, D, dtype=torch.float64)[x]
+    y += 0.1 * torch.randn(N, D, dtype=torch.float64)
+    sums = [torch.zeros(V, D, dtype=torch.float64).index_add_(0, x, t) for t in (h, y)]
+    counts = torch.zeros(V, dtype=torch.float64).index_add_(0, x, torch.ones(N, dtype=torch.float64))
+    beta, offsets = solve_with_token_bias(feats.T @ feats, feats.T @ y, *sums, counts, embed, lam, ridge)
+
+    full = torch.cat([feats, torch.nn.functional.one_hot(x, V).double()], 1)
+    penalty = torch.diag(torch.cat([torch.full((2 * D + 1,), ridge), torch.full((V,), lam)])).double()
+    theta = torch.linalg.solve(full.T @ full + penalty, full.T @ y)
+    torch.testing.assert_close(beta, theta[: 2 * D + 1])
+    torch.testing.assert_close(offsets.double(), theta[2 * D + 1 :], rtol=1e-5, atol=1e-6)
+    assert offsets[-2:].abs().max() == 0
