@@ -855,16 +855,21 @@ def medusa_propose_triton(hidden, block_weights, block_bias, lm_head, top_k: int
     return out_v, out_i
 
 
-def medusa_propose(hidden, block_weights, block_bias, lm_head, top_k: int = 1, *, logprobs: bool = False, _impl=None):
+def medusa_propose(hidden, block_weights, block_bias, lm_head, top_k: int = 1, *, logprobs: bool = False,
+                   vocab_ids=None, _impl=None):
     """Medusa heads: per-head top-k of ``lm_head_h(ResBlocks_h(hidden))``.
 
     Args:
         hidden: [B, D]; block_weights: [H, L, D, D]; block_bias: [H, L, D] or None;
         lm_head: [V, D] shared or [H, V, D] per head; top_k: candidates per head.
         logprobs: return log-softmax values instead of raw logits.
+        vocab_ids: [N] int64, ascending: lm_head holds only these vocabulary rows (a draft vocabulary);
+            the returned indices are then mapped back to vocabulary ids.
     Returns:
         ``(values [B, H, k] fp32, indices [B, H, k] int64)``; ties -> lowest index.
     """
     if _use_triton(hidden, _impl):
-        return medusa_propose_triton(hidden, block_weights, block_bias, lm_head, top_k, logprobs=logprobs)
-    return medusa_propose_reference(hidden, block_weights, block_bias, lm_head, top_k, logprobs=logprobs)
+        vals, idx = medusa_propose_triton(hidden, block_weights, block_bias, lm_head, top_k, logprobs=logprobs)
+    else:
+        vals, idx = medusa_propose_reference(hidden, block_weights, block_bias, lm_head, top_k, logprobs=logprobs)
+    return vals, _to_vocab(idx, vocab_ids)

@@ -60,7 +60,7 @@ class TrainConfig:
     init_token_bias: float = 0.0
     medusa_layers: int = 1
     medusa_shared_lm_head: bool = False  # True: the target's frozen lm head (vLLM original_lm_head)
-    # MLP speculator only. 0: heads over the whole vocabulary. N: a draft vocabulary (FR-Spec) of the N
+    # MLP speculator and Medusa. 0: heads over the whole vocabulary. N: a draft vocabulary (FR-Spec) of the N
     # tokens most frequent in the training data's loss tokens; every other head row stays zero, so the
     # export loads in vLLM unchanged, while the loss and the built-in engine's proposal read N/V of the
     # head: the vocabulary GEMMs are most of the cost on a CPU.
@@ -137,9 +137,9 @@ class TrainConfig:
                 raise ConfigError("init: regression is for kind: mlp_speculator with scale_input: false")
         if self.init_token_bias < 0 or (self.init_token_bias and self.init != "regression"):
             raise ConfigError(f"init_token_bias={self.init_token_bias}: give 0, or a shrinkage > 0 with init: regression")
-        if self.draft_vocab < 0 or (self.draft_vocab and self.kind != "mlp_speculator"):
-            raise ConfigError(f"draft_vocab={self.draft_vocab}: give 0 (the whole vocabulary) or, for kind: "
-                              f"mlp_speculator, the number of tokens the speculator may propose")
+        if self.draft_vocab < 0 or (self.draft_vocab and self.kind == "draft_model"):
+            raise ConfigError(f"draft_vocab={self.draft_vocab}: give 0 (the whole vocabulary) or, for an MLP "
+                              f"speculator or Medusa, the number of tokens the heads may propose")
         if self.batch_size % self.micro_batch_size:
             raise ConfigError("batch_size must be a multiple of micro_batch_size")
 

@@ -375,11 +375,7 @@ class Trainer:
             if not resume:  # a resumed run loads its checkpoint instead
                 regression_init(model, self.target, self.rows, cfg, self.acc)
         if cfg.draft_vocab and not resume:
-            keep = frequent_tokens(self.dataset, cfg.draft_vocab, self.target.vocab_size)
-            with torch.no_grad():  # a zero row gets no gradient and no AdamW update: it stays zero
-                others = torch.ones(self.target.vocab_size, dtype=torch.bool)
-                others[keep] = False
-                model.head_weight[:, others] = 0
+            model.keep_vocab_(frequent_tokens(self.dataset, cfg.draft_vocab, self.target.vocab_size))
         params = [p for p in model.parameters() if p.requires_grad]
         optim = (AdamW8bit if cfg.optimizer == "adamw8bit" else torch.optim.AdamW)(
             params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))

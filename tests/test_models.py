@@ -114,6 +114,39 @@ def test_medusa_names_shapes_and_math(tmp_path, shared):
         assert torch.equal(m.propose(h, None, 3)[:, head], (x @ w.T).argmax(-1))
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_medusa_draft_vocab_proposes_as_vllm_reads_the_full_heads(shared):
+    """Medusa heads kept to a draft vocabulary propose from those rows plus the lowest-id zero rows only,
+    yet give the full stored heads' argmax chain and top-k tree tokens, zero rows winning included."""
+    from speculators.kernels.proposal import medusa_propose_reference
+
+    torch.manual_seed(5)
+    m = Medusa(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=3, original_lm_head=shared))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    live = torch.tensor([5, 17, 60])
+    m.keep_vocab_(live)
+    m = m.double()
+    assert torch.equal(m.draft_vocab(), live)
+    assert len(m.proposal_vocab()) == len(live) + m.widest_topk()
+    h = torch.randn(64, D, dtype=torch.float64)
+    sd = m.vllm_state_dict()
+    blocks = torch.stack([torch.stack([sd[f"blocks.{i}.layers.0.weight"]]) for i in range(3)])
+    bias = torch.stack([torch.stack([sd[f"blocks.{i}.layers.0.bias"]]) for i in range(3)])
+    full = sd["lm_head.weight"] if shared else torch.stack([sd[f"lm_heads.{i}.weight"] for i in range(3)])
+    _, topk = medusa_propose_reference(h, blocks, bias, full, m.widest_topk())
+    chain = m.propose(h, None, 3)
+    assert torch.equal(chain, topk[:, :, 0])
+    assert not torch.isin(chain, live).all()  # some rows' drafts are zero rows, as in vLLM
+    tree = m.propose_tree(h, torch.zeros(64, dtype=torch.long), 3)
+    from speculators.kernels.tree import medusa_tree, medusa_tree_tokens
+    from speculators.models.medusa import DEFAULT_CHOICES
+
+    t = medusa_tree([c for c in DEFAULT_CHOICES if len(c) <= 3], h.device)
+    assert torch.equal(tree.tree_tokens, medusa_tree_tokens(t, torch.zeros(64, dtype=torch.long), topk))
+
+
 @pytest.mark.parametrize("make", [lambda: mlp(), lambda: mlp(tie=True),
                                   lambda: Medusa(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=2))])
 def test_round_trip(tmp_path, make):

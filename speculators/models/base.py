@@ -97,6 +97,41 @@ class SpeculatorModel(nn.Module):
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def vocab_heads(self) -> torch.Tensor:
+        """The lm-head parameter, [heads, vocab, width]: row v of every head scores token v."""
+        raise NotImplementedError
+
+    def widest_topk(self) -> int:
+        """The most candidates a proposal takes from one head (1 for a chain)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def keep_vocab_(self, keep: torch.Tensor) -> None:
+        """Restrict every head to the token ids `keep` (a draft vocabulary, as FR-Spec): every other row
+        is set to zero. The loss reads only the kept rows, so a zero row gets no gradient and no
+        optimizer update and stays zero; vLLM loads such heads unchanged."""
+        others = torch.ones(self.vocab_heads().shape[-2], dtype=torch.bool, device=keep.device)
+        others[keep] = False
+        self.vocab_heads()[:, others] = 0
+
+    def draft_vocab(self) -> torch.Tensor | None:
+        """Ascending ids of the tokens this speculator can propose, when training kept it to a draft
+        vocabulary (`draft_vocab`: every other head row is zero), else None."""
+        live = self.vocab_heads().detach().ne(0).any(-1).any(0)
+        return None if bool(live.all()) else live.nonzero().squeeze(1)
+
+    def proposal_vocab(self) -> torch.Tensor | None:
+        """The head rows proposing reads: the draft vocabulary plus its lowest-id zero rows, as many as
+        the widest top-k. A zero row's logit is exactly 0 (vLLM computes it so too), and when every
+        draft-vocabulary logit of a row is negative it wins; keeping the lowest-id ones makes argmax
+        and top-k, ties included, equal to reading every row — at N/V of the bytes."""
+        draft = self.draft_vocab()
+        if draft is None:
+            return None
+        others = torch.ones(self.vocab_heads().shape[-2], dtype=torch.bool, device=draft.device)
+        others[draft] = False
+        return torch.cat([draft, others.nonzero().squeeze(1)[: self.widest_topk()]]).sort().values
+
     def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
 

@@ -88,10 +88,17 @@ class Medusa(SpeculatorModel):
         """Head states [num_heads, B, T, D]; head h at position t predicts token t+h+2."""
         return torch.stack([block(hidden) for block in self.blocks])
 
+    def vocab_heads(self) -> torch.Tensor:
+        return self.lm_head_weight
+
+    def widest_topk(self) -> int:
+        return 1 + max(i for choice in DEFAULT_CHOICES for i in choice)
+
     def _heads(self, k: int):
-        """(ResBlock weights [k, L, D, D], biases or None, lm head(s)) of the first k heads, as the kernel
-        takes them; input-major on the CPU (base.input_major). Rebuilt when k or any parameter changes
-        (an optimizer step or a load bumps its version)."""
+        """(ResBlock weights [k, L, D, D], biases or None, lm head(s), vocabulary ids of the head rows or
+        None) of the first k heads, as the kernel takes them: only the proposal_vocab rows when the heads
+        keep a draft vocabulary, input-major on the CPU (base.input_major). Rebuilt when k or any
+        parameter changes (an optimizer step or a load bumps its version)."""
         if k > self.config.num_heads:
             raise ValueError(f"k={k} exceeds the number of Medusa heads ({self.config.num_heads})")
         key = (k, *((p.data_ptr(), p._version) for p in self.parameters()))
@@ -101,16 +108,20 @@ class Medusa(SpeculatorModel):
             bias = (torch.stack([torch.stack([layer.bias for layer in b.layers]) for b in blocks]).detach()
                     if self.config.medusa_fc_bias else None)
             lm_head = self.head_weights() if self.config.original_lm_head else self.lm_head_weight[:k]
+            vocab_ids = self.proposal_vocab()
+            if vocab_ids is not None:
+                lm_head = lm_head.index_select(-2, vocab_ids)
             if lm_head.device.type == "cpu":
                 weights, lm_head = input_major([weights, lm_head])
-            self._heads_cache, self._heads_key = (weights, bias, lm_head.detach()), key
+            self._heads_cache, self._heads_key = (weights, bias, lm_head.detach(), vocab_ids), key
         return self._heads_cache
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
         """Top-1 chain of k drafts [B, k] (vLLM's V1 Medusa proposer; a positive logit_scale does not
         change an argmax); `tokens` is unused. The fused kernel on CUDA, its reference elsewhere."""
-        return medusa_propose(hidden, *self._heads(k), top_k=1)[1][:, :, 0]
+        *weights, vocab_ids = self._heads(k)
+        return medusa_propose(hidden, *weights, top_k=1, vocab_ids=vocab_ids)[1][:, :, 0]
 
     @torch.no_grad()
     def propose_tree(self, hidden: torch.Tensor, tokens: torch.Tensor, depth: int | None = None) -> TreeBatch:
@@ -118,7 +129,8 @@ class Medusa(SpeculatorModel):
         number of heads), filled with each head's top-k tokens; the root is `tokens` (the token just emitted)."""
         depth = min(depth or self.config.num_heads, self.config.num_heads)
         tree = medusa_tree([c for c in DEFAULT_CHOICES if len(c) <= depth], hidden.device)
-        _, idx = medusa_propose(hidden, *self._heads(tree.num_heads), top_k=tree.max_topk)
+        *weights, vocab_ids = self._heads(tree.num_heads)
+        _, idx = medusa_propose(hidden, *weights, top_k=tree.max_topk, vocab_ids=vocab_ids)
         B, N = hidden.shape[0], tree.num_nodes
         return TreeBatch(medusa_tree_tokens(tree, tokens, idx), tree.parents.expand(B, N), tree.depth.expand(B, N),
                          tree.attn_mask.expand(B, N, N), torch.full((B,), N), torch.empty(B, 0, 0, dtype=torch.int64))

@@ -186,24 +186,11 @@ class MLPSpeculator(SpeculatorModel):
             return None
         return [pos[0 if self.config.tie_weights else i] for i in range(self.config.n_predict)]
 
-    def draft_vocab(self) -> torch.Tensor | None:
-        """Ascending ids of the tokens this speculator can propose, when training kept it to a draft
-        vocabulary (`draft_vocab`: every other head row is zero), else None."""
-        live = self.head_weight.detach().ne(0).any(-1).any(0)
-        return None if bool(live.all()) else live.nonzero().squeeze(1)
+    def vocab_heads(self) -> torch.Tensor:
+        return self.head_weight
 
-    def proposal_vocab(self) -> torch.Tensor | None:
-        """The head rows proposing reads: the draft vocabulary plus its lowest-id zero rows, as many as
-        the widest top-k. A zero row's logit is exactly 0 (vLLM computes it so too), and when every
-        draft-vocabulary logit of a row is negative it wins; keeping the lowest-id ones makes argmax
-        and top-k, ties included, equal to reading every row — at N/V of the bytes."""
-        draft = self.draft_vocab()
-        if draft is None:
-            return None
-        others = torch.ones(self.config.vocab_size, dtype=torch.bool, device=draft.device)
-        others[draft] = False
-        widest = max([1, *self.config.top_k_tokens_per_head])
-        return torch.cat([draft, others.nonzero().squeeze(1)[:widest]]).sort().values
+    def widest_topk(self) -> int:
+        return max([1, *self.config.top_k_tokens_per_head])
 
     def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Start embeddings and heads from the target's (when inner_dim == hidden size)."""
