@@ -98,10 +98,9 @@ def regression_init(model: MLPSpeculator, target: Target, dataset, cfg: TrainCon
     xtx = torch.zeros(n, n, dtype=torch.float64, device=acc.device)
     xty = torch.zeros(n, D, dtype=torch.float64, device=acc.device)
     stats = torch.zeros(2, dtype=torch.float64, device=acc.device)  # sum of |h|^2 / D, positions
-    V = embed.shape[0]
     if cfg.init_token_bias:  # per next token: sums of h_t and of h_{t+1}, and its count
-        tok_h, tok_y = (torch.zeros(V, D, dtype=torch.float64, device=acc.device) for _ in range(2))
-        tok_c = torch.zeros(V, dtype=torch.float64, device=acc.device)
+        tok_h, tok_y = (torch.zeros(embed.shape[0], D, dtype=torch.float64, device=acc.device) for _ in range(2))
+        tok_c = torch.zeros(embed.shape[0], dtype=torch.float64, device=acc.device)
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     mine = order[: cfg.init_samples][acc.process_index :: acc.num_processes]
     micro = cfg.micro_batch_size

@@ -110,9 +110,13 @@ class SpeculatorModel(nn.Module):
         """Restrict every head to the token ids `keep` (a draft vocabulary, as FR-Spec): every other row
         is set to zero. The loss reads only the kept rows, so a zero row gets no gradient and no
         optimizer update and stays zero; vLLM loads such heads unchanged."""
-        others = torch.ones(self.vocab_heads().shape[-2], dtype=torch.bool, device=keep.device)
-        others[keep] = False
-        self.vocab_heads()[:, others] = 0
+        self.vocab_heads()[:, self._rows_outside(keep)] = 0
+
+    def _rows_outside(self, ids: torch.Tensor) -> torch.Tensor:
+        """Mask [vocab] of the head rows not in `ids`."""
+        others = torch.ones(self.vocab_heads().shape[-2], dtype=torch.bool, device=ids.device)
+        others[ids] = False
+        return others
 
     def draft_vocab(self) -> torch.Tensor | None:
         """Ascending ids of the tokens this speculator can propose, when training kept it to a draft
@@ -128,9 +132,8 @@ class SpeculatorModel(nn.Module):
         draft = self.draft_vocab()
         if draft is None:
             return None
-        others = torch.ones(self.vocab_heads().shape[-2], dtype=torch.bool, device=draft.device)
-        others[draft] = False
-        return torch.cat([draft, others.nonzero().squeeze(1)[: self.widest_topk()]]).sort().values
+        zero_rows = self._rows_outside(draft).nonzero().squeeze(1)
+        return torch.cat([draft, zero_rows[: self.widest_topk()]]).sort().values
 
     def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
