@@ -84,6 +84,29 @@ def _dtype(args):
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
 
 
+def _device(args):
+    """The device eval and generate run on: --device, else CUDA when there is one. On CUDA the engine
+    uses the Triton kernels, on CPU their PyTorch references."""
+    import torch
+
+    if args.device:
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA device is visible here; use --device cpu")
+        return torch.device(args.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _load_target(args, target_name: str, proposers: dict):
+    """The target on the run's device, with every proposer's model moved beside it."""
+    from .target import Target
+
+    device = _device(args)
+    for proposer in proposers.values():
+        if hasattr(proposer, "model"):
+            proposer.model.to(device)
+    return Target.load(target_name, _dtype(args)).to(device)
+
+
 def _sampling(args):
     from .engine import SamplingParams
 
@@ -95,14 +118,13 @@ def _eval(args):
     import torch
 
     from .evaluate import evaluate, summary_lines
-    from .target import Target
 
     torch.manual_seed(args.seed)
     target_name, proposers = _load_proposers(args)
     if not proposers:
         raise ValueError("nothing to evaluate: give a checkpoint, --draft or --ngram")
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    target = Target.load(target_name, _dtype(args))
+    target = _load_target(args, target_name, proposers)
     results = evaluate(target, proposers, args.data, args.k, _sampling(args), args.num_prompts, args.out)
     print("\n".join(summary_lines(results)))
     if args.out:
@@ -116,7 +138,6 @@ def _generate(args):
 
     from .data import chat_ids
     from .engine import SpeculativeDecoder
-    from .target import Target
 
     prompts = list(args.prompt)
     if args.prompt_file:
@@ -131,7 +152,7 @@ def _generate(args):
         raise ValueError(f"generate runs one proposer, got {sorted(proposers)}; give either a checkpoint or --ngram")
     name, proposer = next(iter(proposers.items()), ("plain", None))
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    target = Target.load(target_name, _dtype(args))
+    target = _load_target(args, target_name, proposers)
     tok = target.tokenizer
     decoder = SpeculativeDecoder(target, proposer, args.k if proposer is not None else 0)
     sp = _sampling(args)
@@ -177,6 +198,7 @@ def _add_proposer_args(p, what: str):
                         "preserve the target's distribution)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--threads", type=int)
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--allow-pickle", action="store_true")
 

@@ -73,7 +73,7 @@ class HeadProposer:
 
     def propose(self, hidden: torch.Tensor, token: int, k: int) -> list[int]:
         dtype = next(self.model.parameters()).dtype
-        drafts = self.model.propose(hidden.view(1, -1).to(dtype), torch.tensor([token]), k)
+        drafts = self.model.propose(hidden.view(1, -1).to(dtype), torch.tensor([token], device=hidden.device), k)
         return drafts[0].tolist()
 
 
@@ -91,7 +91,7 @@ class TreeProposer:
 
     def propose_tree(self, hidden: torch.Tensor, token: int, k: int):
         dtype = next(self.model.parameters()).dtype
-        return self.model.propose_tree(hidden.view(1, -1).to(dtype), torch.tensor([token]), k)
+        return self.model.propose_tree(hidden.view(1, -1).to(dtype), torch.tensor([token], device=hidden.device), k)
 
 
 class DraftModelProposer:
@@ -119,12 +119,12 @@ class DraftModelProposer:
             self.cache.crop(keep - len(self.cached))
             self.cached = self.cached[:keep]
         greedy = sp.temperature == 0
-        gen = None if greedy else torch.Generator().manual_seed(seed)
-        feed, drafts, probs = history[keep:], [], []
         device = next(self.model.parameters()).device
+        gen = None if greedy else torch.Generator(device=device).manual_seed(seed)
+        feed, drafts, probs = history[keep:], [], []
         for _ in range(k):
             logits = self.model(input_ids=torch.tensor([feed], device=device), past_key_values=self.cache,
-                                use_cache=True, logits_to_keep=1).logits[0, -1].float().cpu()
+                                use_cache=True, logits_to_keep=1).logits[0, -1].float()
             self.cached += feed
             if greedy:
                 token = int(logits.argmax())
@@ -138,8 +138,12 @@ class DraftModelProposer:
 
 
 class SpeculativeDecoder:
+    """Runs where the target's weights are: on CUDA the verification and proposal kernels are the Triton
+    ones (they dispatch on the tensors' device), on CPU their PyTorch references."""
+
     def __init__(self, target: Target, proposer=None, k: int = 3):
         self.target, self.proposer, self.k = target, proposer, k
+        self.device = target.lm_head.weight.device
         self.eos = set(_as_list(target.tokenizer.eos_token_id)) | set(_as_list(target.model.generation_config.eos_token_id))
 
     @torch.no_grad()
@@ -147,7 +151,7 @@ class SpeculativeDecoder:
         stats = GenerationStats(drafted=[0] * self.k, accepted=[0] * self.k)
         start = time.perf_counter()
         cache = DynamicCache()
-        out = self.target(torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True)
+        out = self.target(torch.tensor([prompt_ids], device=self.device), past_key_values=cache, use_cache=True)
         cached = len(prompt_ids)
         step = 0
         token, hidden = self._first_token(out.logits[0, -1], sp, step), out.hidden[0, -1]
@@ -185,7 +189,7 @@ class SpeculativeDecoder:
         """One chain step: (emitted tokens, accepted drafts, drafts proposed, hidden state of the last
         accepted position); the rejected drafts' KV entries are still to be cropped."""
         drafts, draft_probs = self._propose(history, hidden, token, sp, step)
-        out = self.target(torch.tensor([[token] + drafts]), past_key_values=cache, use_cache=True)
+        out = self.target(torch.tensor([[token] + drafts], device=self.device), past_key_values=cache, use_cache=True)
         emitted, n_acc = self._verify(out.logits[0], drafts, sp, step, draft_probs)
         return emitted, n_acc, len(drafts), out.hidden[0, n_acc]
 
@@ -198,14 +202,14 @@ class SpeculativeDecoder:
         tokens, parents, depth = tb.tree_tokens[:, :n], tb.parents[:, :n], tb.depth[:, :n]
         dtype = self.target.lm_head.weight.dtype
         # Additive mask: 0 where a node may attend (the whole prefix, itself and its ancestors).
-        mask = torch.zeros(1, 1, n, cached + n, dtype=dtype)
+        mask = torch.zeros(1, 1, n, cached + n, dtype=dtype, device=self.device)
         mask[0, 0, :, cached:] = torch.where(tb.attn_mask[0, :n, :n], 0.0, torch.finfo(dtype).min)
         out = self.target(tokens, attention_mask=mask, position_ids=cached + depth, past_key_values=cache,
                           use_cache=True)
         typical = sp.temperature > 0
         res = tree_verify(out.logits.float(), tokens, parents, mode="typical" if typical else "greedy",
                           temperature=sp.temperature if typical else None,
-                          seeds=torch.tensor([sp.seed * 1_000_003 + step]) if typical else None)
+                          seeds=torch.tensor([sp.seed * 1_000_003 + step], device=self.device) if typical else None)
         n_acc = int(res.num_accepted[0])
         for layer in cache.layers:
             for kv in (layer.keys, layer.values):  # [1, heads, seq, head_dim]
@@ -231,7 +235,8 @@ class SpeculativeDecoder:
     def _verify(self, logits: torch.Tensor, drafts: list[int], sp: SamplingParams, step: int, draft_probs=None):
         """(emitted tokens, number of accepted drafts) for one request's [n+1, V] logits."""
         n, width = len(drafts), max(self.k, 1)
-        draft_tokens = torch.tensor([drafts + [0] * (width - n)], dtype=torch.long)
+        dev = logits.device
+        draft_tokens = torch.tensor([drafts + [0] * (width - n)], dtype=torch.long, device=dev)
         target_logits = logits.new_zeros(1, width + 1, logits.shape[-1], dtype=torch.float32)
         target_logits[0, : n + 1] = logits.float()
         greedy = sp.temperature == 0
@@ -239,16 +244,16 @@ class SpeculativeDecoder:
         if not greedy:
             # One seed per (request, step) keeps runs reproducible and independent of batching.
             kwargs = dict(
-                temperature=torch.tensor([sp.temperature]),
-                top_k=torch.tensor([sp.top_k]),
-                top_p=torch.tensor([sp.top_p]),
-                seeds=torch.tensor([sp.seed * 1_000_003 + step]),
+                temperature=torch.tensor([sp.temperature], device=dev),
+                top_k=torch.tensor([sp.top_k], device=dev),
+                top_p=torch.tensor([sp.top_p], device=dev),
+                seeds=torch.tensor([sp.seed * 1_000_003 + step], device=dev),
             )
             if draft_probs is not None:
                 q = target_logits.new_zeros(1, width, logits.shape[-1])
                 q[0, :n] = draft_probs
                 kwargs["draft_probs"] = q
-        tokens, n_acc = rejection_sample(target_logits, draft_tokens, torch.tensor([n]), **kwargs)
+        tokens, n_acc = rejection_sample(target_logits, draft_tokens, torch.tensor([n], device=dev), **kwargs)
         n_acc = int(n_acc[0])
         return tokens[0, : n_acc + 1].tolist(), n_acc
 

@@ -185,3 +185,14 @@ def test_generate_cli_tree_sampling_needs_typical(tmp_path, tiny_target_dir):
     assert recs[0]["tokens"] == 6
     proc, _ = run_generate("--target", tiny_target_dir)
     assert proc.returncode == 2 and "no prompt" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
+def test_generate_cli_device_without_cuda_is_a_one_line_error(tiny_target_dir):
+    proc, _ = run_generate("--target", tiny_target_dir, "--raw", "--max-new-tokens", 4, "--prompt", "hi", "--device", "cuda")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "no CUDA device is visible here; use --device cpu" in proc.stderr.strip().splitlines()[-1]
+    proc, recs = run_generate("--target", tiny_target_dir, "--raw", "--json", "--max-new-tokens", 4, "--prompt", "hi",
+                              "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert recs[0]["tokens"] == 4
