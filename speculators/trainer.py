@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -498,7 +499,8 @@ class Trainer:
             bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == cfg.total_steps:
                 metrics = {"loss": loss_global, "lr": lr, "tokens_per_s": rate, "stage": idx,
-                           "onpolicy": onpolicy, "onpolicy_steps": self.onpolicy_steps}
+                           "onpolicy": onpolicy, "onpolicy_steps": self.onpolicy_steps,
+                           "peak_mem_gib": peak_memory_gib(acc.device)}
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
                 acc.log(metrics, step=self.step)
@@ -579,3 +581,10 @@ def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
         state[int(pid)] = {k: tensors[f"state.{pid}.{k}"] if v == "tensor" else v for k, v in st.items()}
     return {"state": state, "param_groups": meta["param_groups"]}
 
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory so far: allocated CUDA memory on a GPU, resident set size on a CPU
+    (what decides whether a run fits the machine, so the recipes' memory figures are read from it)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB

@@ -191,6 +191,7 @@ def test_draft_loss_decreases(tmp_path, tiny_target_dir, chat_file, isolated_cac
                                          stages="[{steps: 10}]"))).train()
     hist = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert hist[-1]["loss"] < 0.9 * hist[0]["loss"], hist
+    assert 0.1 < hist[-1]["peak_mem_gib"] < 24  # this process's peak RSS, in GiB
 
 
 def run_cli(*args):
