@@ -92,7 +92,10 @@ def _device(args):
     if args.device:
         if args.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {args.device}: no CUDA device is visible here; use --device cpu")
-        return torch.device(args.device)
+        try:
+            return torch.device(args.device)
+        except RuntimeError:
+            raise ValueError(f"--device {args.device!r} is not a device; use cpu, cuda or cuda:N") from None
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

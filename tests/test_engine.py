@@ -192,6 +192,8 @@ def test_generate_cli_device_without_cuda_is_a_one_line_error(tiny_target_dir):
     proc, _ = run_generate("--target", tiny_target_dir, "--raw", "--max-new-tokens", 4, "--prompt", "hi", "--device", "cuda")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "no CUDA device is visible here; use --device cpu" in proc.stderr.strip().splitlines()[-1]
+    proc, _ = run_generate("--target", tiny_target_dir, "--prompt", "hi", "--device", "gpu0")
+    assert proc.returncode == 2 and "is not a device; use cpu, cuda or cuda:N" in proc.stderr
     proc, recs = run_generate("--target", tiny_target_dir, "--raw", "--json", "--max-new-tokens", 4, "--prompt", "hi",
                               "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
