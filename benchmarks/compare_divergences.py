@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from teacher_forced_tau import draft_chain_tau, greedy_outputs
+from teacher_forced_tau import draft_chain_tau, greedy_outputs, target_probs
 
 from speculators.draft import load_draft
 from speculators.target import Target
@@ -61,8 +61,9 @@ def main():
     results = {}
     for data in ("mt-bench", "humaneval"):
         seqs = greedy_outputs(target, data, args.num_prompts, args.max_new_tokens)
+        probs = target_probs(target, seqs)
         for name, path in drafts.items():
-            tau, acc, alpha = draft_chain_tau(target, load_draft(path)[0], seqs, args.k)
+            tau, acc, alpha = draft_chain_tau(load_draft(path)[0], seqs, probs, args.k)
             results.setdefault(name, {})[data] = {"tau": tau, "acceptance_per_position": acc, "alpha": alpha}
     (out / "divergences.json").write_text(json.dumps({"steps": args.steps, "k": args.k, "results": results}, indent=2))
     print(f"\n{args.steps} steps each, k = {args.k}, {args.num_prompts} prompts per set, {args.max_new_tokens} new tokens")

@@ -34,6 +34,21 @@ def greedy_outputs(target: Target, data: str, n: int, max_new_tokens: int) -> li
     return out
 
 
+def walk(seq: torch.Tensor, first: int, draft_at, k: int, accepted: list[int]) -> tuple[int, int]:
+    """Replay greedy chain verification over the target's output `seq` from the prefill's position
+    `first`: draft_at(i, n) is the n-th draft of the step after position i. Adds to `accepted` per
+    position; returns (steps, tokens emitted)."""
+    steps = tokens = 0
+    i = first
+    while i + 2 < len(seq):
+        n = 0
+        while n < k and i + 2 + n < len(seq) and draft_at(i, n) == seq[i + 2 + n]:
+            accepted[n] += 1
+            n += 1
+        steps, tokens, i = steps + 1, tokens + n + 1, i + n + 1
+    return steps, tokens
+
+
 @torch.no_grad()
 def chain_tau(target: Target, model, seqs, k: int) -> tuple[float, list[float]]:
     steps = tokens = 0
@@ -43,35 +58,30 @@ def chain_tau(target: Target, model, seqs, k: int) -> tuple[float, list[float]]:
         first = prompt_len - 1  # the prefill's position: its hidden state and the token it chose
         pos = torch.arange(first, len(seq) - 2)
         drafts = model.propose(hidden[pos], seq[pos + 1], k)
-        i = first
-        while i + 2 < len(seq):
-            d, n = drafts[i - first], 0
-            while n < k and i + 2 + n < len(seq) and d[n] == seq[i + 2 + n]:
-                accepted[n] += 1
-                n += 1
-            steps, tokens, i = steps + 1, tokens + n + 1, i + n + 1
+        s, t = walk(seq, first, lambda i, n: drafts[i - first][n], k, accepted)
+        steps, tokens = steps + s, tokens + t
     return tokens / steps, [a / steps for a in accepted]
 
 
 @torch.no_grad()
-def draft_chain_tau(target: Target, lm, seqs, k: int) -> tuple[float, list[float], float]:
-    """(τ, acceptance per position, α) of a draft model over the target's greedy continuations."""
+def target_probs(target: Target, seqs) -> list[torch.Tensor]:
+    """The target's T = 1 distribution at every position that predicts a generated token, per sequence."""
+    return [torch.softmax(target(seq[None]).logits[0, prompt_len - 1 : len(seq) - 1], -1) for prompt_len, seq in seqs]
+
+
+@torch.no_grad()
+def draft_chain_tau(lm, seqs, probs: list[torch.Tensor], k: int) -> tuple[float, list[float], float]:
+    """(τ, acceptance per position, α) of a draft model over the target's greedy continuations; `probs`
+    from target_probs."""
     steps = tokens = 0
     accepted = [0] * k
     overlap = n_overlap = 0.0
-    for prompt_len, seq in seqs:
+    for (prompt_len, seq), p in zip(seqs, probs):
         logits = lm(input_ids=seq[None]).logits[0].float()
         guess = logits.argmax(-1)  # guess[j]: the draft's greedy token after seq[: j + 1]
-        i = prompt_len - 1  # seq[i + 1] is the prefill's token; the first step drafts seq[i + 2 ...]
-        while i + 2 < len(seq):
-            n = 0
-            while n < k and i + 2 + n < len(seq) and guess[i + 1 + n] == seq[i + 2 + n]:
-                accepted[n] += 1
-                n += 1
-            steps, tokens, i = steps + 1, tokens + n + 1, i + n + 1
-        span = slice(prompt_len - 1, len(seq) - 1)  # positions that predict a generated token
-        p = torch.softmax(target(seq[None]).logits[0, span], -1)
-        q = torch.softmax(logits[span], -1)
+        s, t = walk(seq, prompt_len - 1, lambda i, n: guess[i + 1 + n], k, accepted)
+        steps, tokens = steps + s, tokens + t
+        q = torch.softmax(logits[prompt_len - 1 : len(seq) - 1], -1)
         overlap += torch.minimum(p, q).sum().item()
         n_overlap += p.shape[0]
     return tokens / steps, [a / steps for a in accepted], overlap / n_overlap
@@ -87,18 +97,23 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=128)
     args = p.parse_args()
     target = Target.load(args.target, torch.float32)
+    drafts, heads = {}, {}
+    for path in args.exports:
+        ckpt = find_checkpoint(path)
+        if is_draft_checkpoint(ckpt):
+            drafts[path] = load_draft(ckpt)[0]
+        else:
+            heads[path] = load_speculator(path).float()
     for data in args.data:
         seqs = greedy_outputs(target, data, args.num_prompts, args.max_new_tokens)
-        for path in args.exports:
-            ckpt = find_checkpoint(path)
-            if is_draft_checkpoint(ckpt):
-                tau, acc, alpha = draft_chain_tau(target, load_draft(ckpt)[0], seqs, args.k)
-                extra = f"  alpha(T=1) {alpha:.3f}"
-            else:
-                tau, acc = chain_tau(target, load_speculator(path).float(), seqs, args.k)
-                extra = ""
-            print(f"{data} {path}: tau {tau:.3f}  acceptance/pos {' / '.join(f'{a:.3f}' for a in acc)}{extra}",
-                  flush=True)
+        for path, model in heads.items():
+            tau, acc = chain_tau(target, model, seqs, args.k)
+            print(f"{data} {path}: tau {tau:.3f}  acceptance/pos {' / '.join(f'{a:.3f}' for a in acc)}", flush=True)
+        probs = target_probs(target, seqs) if drafts else []
+        for path, lm in drafts.items():
+            tau, acc, alpha = draft_chain_tau(lm, seqs, probs, args.k)
+            print(f"{data} {path}: tau {tau:.3f}  acceptance/pos {' / '.join(f'{a:.3f}' for a in acc)}"
+                  f"  alpha(T=1) {alpha:.3f}", flush=True)
 
 
 if __name__ == "__main__":
