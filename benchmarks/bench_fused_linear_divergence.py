@@ -5,9 +5,15 @@
   chunked  Liger-style loop: per head, token chunks of [chunk, V] logits (Liger's chunk-size
            heuristic), loss and gradients per chunk.
   ours     fused_linear_divergence (Triton on CUDA, chunked PyTorch on CPU).
+  atomics  CUDA only: fused_linear_divergence with GPU_GRADIENTS="atomics" (gradients added
+           inside the kernel instead of dz chunks + cuBLAS GEMMs).
 
     python benchmarks/bench_fused_linear_divergence.py --device cpu
     python benchmarks/bench_fused_linear_divergence.py --device cuda
+    python benchmarks/bench_fused_linear_divergence.py --device cuda --accuracy --T 2048 --V 32768 --D 1024
+
+--accuracy compares each variant's loss and gradients with a float64 reference instead of
+timing them (a smaller shape: the reference materializes float64 logits).
 
 Memory is the peak above what the inputs already hold, gradients included. On CUDA it is
 torch.cuda.max_memory_allocated minus the allocation before the call. On CPU each variant
@@ -27,9 +33,11 @@ import time
 import torch
 
 from speculators.kernels.divergence_reference import divergence_reference, per_token_divergence
+import speculators.kernels.fused_linear_divergence as fld
 from speculators.kernels.fused_linear_divergence import fused_linear_divergence
 
-VARIANTS = ("naive", "chunked", "ours")
+VARIANTS = ("naive", "chunked", "ours", "atomics")
+CPU_VARIANTS = VARIANTS[:3]
 DEFAULTS = {  # one CPU round of the default shape takes minutes
     "cpu": dict(T=4096, V=49152, D=576, heads=4, dtype="float32", repeats=1),
     "cuda": dict(T=16384, V=128256, D=4096, heads=4, dtype="bfloat16", repeats=3),
@@ -90,6 +98,7 @@ def run_variant(name, inputs, divergence):
     x.grad = w.grad = None
     if name == "chunked":
         return per_head_chunked(x, w, xt, wt, labels, divergence)
+    fld.GPU_GRADIENTS = "atomics" if name == "atomics" else "dz_chunks"
     fn = divergence_reference if name == "naive" else fused_linear_divergence
     loss = fn(x, w, xt, wt, labels=labels, divergence=divergence)
     loss.backward()
@@ -113,9 +122,9 @@ def cpu_parent(a):
     processes on a shared machine hits all variants alike."""
     results = {}
     for _ in range(a.repeats):
-        for name in VARIANTS:
+        for name in CPU_VARIANTS:
             argv = [sys.executable, __file__, "--child", name] + [
-                f"--{k}={v}" for k, v in vars(a).items() if k != "child"]
+                f"--{k}={v}" for k, v in vars(a).items() if k not in ("child", "variants", "accuracy")]
             out = subprocess.run(argv, capture_output=True, text=True)
             if out.returncode != 0:  # e.g. naive killed for memory: report, keep going
                 print(f"{name}: failed ({out.returncode}): {out.stderr.strip()[-300:]}")
@@ -130,14 +139,18 @@ def cpu_parent(a):
 def cuda_run(a):
     inputs = make_inputs(a)
     results = {}
-    for name in VARIANTS:
+    for name in a.variants:
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         try:
+            t0 = time.perf_counter()
             run_variant(name, inputs, a.divergence)  # warm-up: Triton compiles here
+            torch.cuda.synchronize()
+            warm = time.perf_counter() - t0
+            print(f"{name}: warm-up (compile + 1 call) {warm:.1f} s", flush=True)
             times = []
-            for _ in range(a.repeats):
+            for _ in range(a.repeats if warm < 30 else 1):  # a slow variant gets one timed call
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 run_variant(name, inputs, a.divergence)
@@ -151,6 +164,23 @@ def cuda_run(a):
             inputs[0].grad = inputs[1].grad = None
         results[name] = dict(peak_mib=(torch.cuda.max_memory_allocated() - base) / 2**20, times=times)
     return results
+
+
+def accuracy(a):
+    """Relative error of each variant's loss and gradients against a float64 reference."""
+    x, w, xt, wt, labels = make_inputs(a)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    loss64 = divergence_reference(x64, w64, xt.double(), wt.double(), labels=labels, divergence=a.divergence)
+    loss64.backward()
+    ref = (loss64.detach(), x64.grad, w64.grad)
+    del x64, w64
+    print(f"accuracy vs float64: H={a.heads} T={a.T} V={a.V} D={a.D} dtype={a.dtype} divergence={a.divergence}")
+    print(f"{'variant':<10}{'loss':>12}{'grad_input':>12}{'grad_weight':>12}")
+    for name in a.variants:
+        loss = run_variant(name, (x, w, xt, wt, labels), a.divergence)
+        errs = [float((got.double() - r).norm() / r.norm()) for got, r in zip((loss.detach(), x.grad, w.grad), ref)]
+        print(f"{name:<10}" + "".join(f"{e:>12.2e}" for e in errs), flush=True)
+        x.grad = w.grad = None
 
 
 def bf16_matmul_tflops(n=8192, reps=20):
@@ -178,7 +208,10 @@ def report(a, results):
         print(f"memory naive/ours  {results['naive']['peak_mib'] / results['ours']['peak_mib']:.1f}x lower")
         print(f"time   ours/naive  {best['ours'] / best['naive']:.2f}x")
     if "ours" in results and "chunked" in results:
-        print(f"time   ours/chunked {best['ours'] / best['chunked']:.2f}x")
+        print(f"time   ours/chunked {best['ours'] / best['chunked']:.2f}x "
+              f"(ours {best['chunked'] / best['ours']:.2f}x faster than chunked)")
+    if "atomics" in results and "ours" in results:
+        print(f"time   atomics/ours {best['atomics'] / best['ours']:.2f}x")
     if a.device == "cuda" and "ours" in results:
         # Useful FLOPs: the matmuls of the materialized formulation (student logits, teacher
         # logits unless ce, dX, dW). Ours executes more (logit recomputation; see its docstring).
@@ -197,13 +230,20 @@ def main():
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--divergence", default="fkl", choices=("ce", "fkl", "rkl", "jsd", "tvd"))
     ap.add_argument("--repeats", type=int)
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
+                    help="CUDA: the variants to run (default: all)")
+    ap.add_argument("--accuracy", action="store_true", help="errors against float64 instead of timings")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.variants is None:
+        a.variants = list(VARIANTS if a.device == "cuda" else CPU_VARIANTS)
     for k, v in DEFAULTS[a.device].items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.child:
         return cpu_child(a)
+    if a.accuracy:
+        return accuracy(a)
     report(a, cpu_parent(a) if a.device == "cpu" else cuda_run(a))
 
 

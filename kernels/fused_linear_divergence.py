@@ -83,6 +83,13 @@ _CHUNK_BYTES = 32 * 2**20
 # 200-1200 bytes per thread); not yet timed on a GPU. fp32 inputs still spill (FMA dots).
 # Interpreter: tiny tiles so that test shapes span several tiles in every dimension.
 _GPU_BLOCKS = dict(BLOCK_T=64, BLOCK_V=64, BLOCK_D=64)
+
+# GPU gradients: "atomics" adds every (row block, vocab tile)'s dz @ W and dz.T @ x into fp32
+# grad_input / grad_weight inside the kernel; "dz_chunks" writes dz for a range of vocab
+# columns (all heads and tokens, at most _DZ_CHUNK_BYTES) and leaves the two gradient GEMMs
+# to cuBLAS. Under test on the GPU (benchmarks/bench_fused_linear_divergence.py).
+GPU_GRADIENTS = "dz_chunks"
+_DZ_CHUNK_BYTES = 256 * 2**20
 _INTERPRET_BLOCKS = dict(BLOCK_T=4, BLOCK_V=16, BLOCK_D=8)
 
 
@@ -224,30 +231,39 @@ def _row_stats_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
 
 @triton.jit
 def _grad_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
-                 lse_s_ptr, lse_t_ptr, loss_ptr, sqg_ptr, scale_ptr, gx_ptr, gw_ptr,
-                 T, V, D, Dt, stride_zh, stride_zt, stride_zv,
+                 lse_s_ptr, lse_t_ptr, loss_ptr, sqg_ptr, scale_ptr, gx_ptr, gw_ptr, dz_ptr,
+                 T, V, D, Dt, stride_zh, stride_zt, stride_zv, v_lo, v_hi,
                  inv_temp, beta, log_beta, log_1mbeta,
                  DIV: tl.constexpr, TEACHER: tl.constexpr, PER_HEAD_W: tl.constexpr,
-                 NEED_GX: tl.constexpr, NEED_GW: tl.constexpr,
+                 NEED_GX: tl.constexpr, NEED_GW: tl.constexpr, STORE_DZ: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """dz for one (row block, vocab tile) of one head, added into grad_input and grad_weight.
+    """dz for one (row block, vocab tile) of one head, in vocab columns [v_lo, v_hi).
 
-    Grid (T blocks * V tiles, H). Every tile is owned by one program, but a grad_input row
-    gets contributions from all vocab tiles and a grad_weight row from all row blocks, hence
-    fp32 atomics (their order makes the gradients non-deterministic at the fp32 rounding level).
+    Grid (T blocks * vocab tiles of the range, H). STORE_DZ writes the tile into a
+    [H, T, v_hi - v_lo] buffer (the caller turns it into gradients with two GEMMs); otherwise it
+    is added into grad_input and grad_weight here. Every tile is owned by one program, but a
+    grad_input row gets contributions from all vocab tiles and a grad_weight row from all row
+    blocks, hence fp32 atomics (their order makes the gradients non-deterministic at the fp32
+    rounding level).
     """
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    num_v = tl.cdiv(V, BLOCK_V)
+    num_v = tl.cdiv(v_hi - v_lo, BLOCK_V)
     rows = (pid // num_v).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = (pid % num_v).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = v_lo + (pid % num_v).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_mask = rows < T
-    col_mask = cols < V
+    col_mask = cols < v_hi
+    n_cols = v_hi - v_lo
+    dz_ptrs = dz_ptr + (h * T + rows[:, None]) * n_cols + (cols[None, :] - v_lo)
+    dz_mask = row_mask[:, None] & col_mask[None, :]
     # Row weight: head weight * valid / n_valid (mean) / temperature; 0 for ignored tokens.
     scale = tl.load(scale_ptr + h * T + rows, mask=row_mask, other=0.0)
     if tl.max(tl.abs(scale), 0) == 0.0:
-        return  # every row ignored (padding, zero head weight): no gradient
+        # every row ignored (padding, zero head weight): no gradient
+        if STORE_DZ:
+            tl.store(dz_ptrs, tl.zeros((BLOCK_T, BLOCK_V), tl.float32).to(dz_ptr.dtype.element_ty), mask=dz_mask)
+        return
     xs_ptr += h * T * D
     if PER_HEAD_W:
         ws_ptr += h * V * D
@@ -283,6 +299,9 @@ def _grad_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
             dz = q * (g - sqg[:, None])
     dz = dz * scale[:, None]  # q = p = 0 on padded columns, so dz is 0 there
     # Tensor-core operand: dz in the input dtype (as any bf16 backward does), fp32 accumulate.
+    if STORE_DZ:
+        tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=dz_mask)
+        return
     if UPCAST:
         dz_op = dz
     else:
@@ -309,6 +328,15 @@ def _grad_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
             tl.atomic_add(gw_ptr + cols[:, None] * D + d[None, :],
                           tl.dot(tl.trans(dz_op), x, input_precision=PRECISION),
                           mask=col_mask[:, None] & d_mask[None, :], sem="relaxed")
+
+
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b as fp32: grad_input sums one product per vocab chunk, and rounding each to bf16
+    would add an error of its own. cuBLAS takes bf16 operands with an fp32 output; elsewhere
+    (the interpreter's CPU tensors) the operands are upcast."""
+    if a.is_cuda and a.dtype != torch.float32:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
 
 
 def _triton_forward(xs, ws, teacher, zt, labels, scale, div, beta, temperature, need_gx, need_gw):
@@ -338,13 +366,47 @@ def _triton_forward(xs, ws, teacher, zt, labels, scale, div, beta, temperature, 
     stats = torch.empty(4, H, T, dtype=torch.float32, device=xs.device)  # lse_s, lse_t, loss, sum(q g)
     t_blocks = triton.cdiv(T, blocks["BLOCK_T"])
     _row_stats_kernel[(t_blocks, H)](xs, ws, xt, wt, zt_arg, labels_arg, *stats, **common, **launch)
-    gx = torch.zeros(H, T, D, dtype=torch.float32, device=xs.device) if need_gx else None
-    gw = torch.zeros(ws.shape, dtype=torch.float32, device=ws.device) if need_gw else None
-    if need_gx or need_gw:
+    if not (need_gx or need_gw):
+        return stats[2], None, None
+    args = (xs, ws, xt, wt, zt_arg, labels_arg, *stats, scale)
+    if GPU_GRADIENTS == "atomics":
+        gx = torch.zeros(H, T, D, dtype=torch.float32, device=xs.device) if need_gx else None
+        gw = torch.zeros(ws.shape, dtype=torch.float32, device=ws.device) if need_gw else None
         grid = (t_blocks * triton.cdiv(V, blocks["BLOCK_V"]), H)
-        _grad_kernel[grid](xs, ws, xt, wt, zt_arg, labels_arg, *stats, scale,
-                           gx if need_gx else stats, gw if need_gw else stats, **common,
-                           NEED_GX=need_gx, NEED_GW=need_gw, **launch)
+        _grad_kernel[grid](*args, gx if need_gx else stats, gw if need_gw else stats, stats,
+                           **common, v_lo=0, v_hi=V, NEED_GX=need_gx, NEED_GW=need_gw,
+                           STORE_DZ=False, **launch)
+        return stats[2], gx, gw
+    # "dz_chunks": dz for a range of vocab columns at a time, for all heads and tokens, then
+    # grad_weight[cols] = dz.T @ x in one GEMM (written once, no accumulation) and
+    # grad_input += dz @ W[cols]. The [H*T, cols] dz buffer is the only vocab-sized tensor.
+    op_dtype = torch.float32 if xs.dtype == torch.float16 else xs.dtype  # fp16 dz would underflow
+    cols = max(blocks["BLOCK_V"], _DZ_CHUNK_BYTES // (H * T * op_dtype.itemsize)
+               // blocks["BLOCK_V"] * blocks["BLOCK_V"])
+    cols = min(cols, triton.cdiv(V, blocks["BLOCK_V"]) * blocks["BLOCK_V"])
+    dz_buf = torch.empty(H * T * cols, dtype=op_dtype, device=xs.device)
+    gx = torch.zeros(H, T, D, dtype=torch.float32, device=xs.device) if need_gx else None
+    gw = torch.empty(ws.shape, dtype=op_dtype, device=ws.device) if need_gw else None
+    x_op = xs.to(op_dtype)
+    for v_lo in range(0, V, cols):
+        v_hi = min(V, v_lo + cols)
+        dz = dz_buf[:H * T * (v_hi - v_lo)].view(H, T, v_hi - v_lo)
+        grid = (t_blocks * triton.cdiv(v_hi - v_lo, blocks["BLOCK_V"]), H)
+        _grad_kernel[grid](*args, stats, stats, dz, **common, v_lo=v_lo, v_hi=v_hi,
+                           NEED_GX=need_gx, NEED_GW=need_gw, STORE_DZ=True, **launch)
+        if ws.dim() == 2:  # shared lm-head: one GEMM over all heads' tokens
+            w_c = ws[v_lo:v_hi].to(op_dtype)
+            if need_gw:
+                torch.mm(dz.view(H * T, -1).t(), x_op.view(H * T, D), out=gw[v_lo:v_hi])
+            if need_gx:
+                gx.view(H * T, D).add_(_mm_fp32(dz.view(H * T, -1), w_c))
+            continue
+        for h in range(H):
+            w_c = ws[h, v_lo:v_hi].to(op_dtype)
+            if need_gw:
+                torch.mm(dz[h].t(), x_op[h], out=gw[h, v_lo:v_hi])
+            if need_gx:
+                gx[h].add_(_mm_fp32(dz[h], w_c))
     return stats[2], gx, gw
 
 

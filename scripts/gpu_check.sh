@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU checks of the Triton kernels, in one call (at most 7 minutes: each step has a time limit):
+#   1. the fused loss benchmark at the issue's shape (T=16384, V=128256, D=4096, 4 heads, bf16):
+#      naive / Liger-style chunked / ours (dz chunks) / ours (atomics), then its accuracy vs float64;
+#   2. the inference-kernel benchmark (verification B=256 K=4 V=128256; fused proposal B=64);
+#   3. the kernel test suite against the compiled kernels (tests/kernels/conftest.py).
+# Needs python3 with torch + triton + pytest on a CUDA machine; installs nothing. The package is laid
+# out as pip installs it (kernels/ -> speculators/kernels) in a scratch folder, so no install is needed.
+#
+#   bash scripts/gpu_check.sh [LOG_DIR]
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+LOG=${1:-${OUT:-/tmp/gpu_check}}
+mkdir -p "$LOG"
+W=$(mktemp -d)
+cp -r "$REPO/speculators" "$W/speculators"
+cp -r "$REPO/kernels" "$W/speculators/kernels"
+cp -r "$REPO/export" "$W/speculators/export"
+cp -r "$REPO/tests" "$REPO/benchmarks" "$REPO/pyproject.toml" "$W/"
+cd "$W"
+export PYTHONPATH="$W" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$LOG/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG/gpu.txt"
+
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $LOG/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+}
+
+step loss_bench 120 python3 benchmarks/bench_fused_linear_divergence.py --device cuda --variants naive chunked ours
+step loss_atomics 45 python3 benchmarks/bench_fused_linear_divergence.py --device cuda --variants atomics --repeats 1
+step loss_accuracy 45 python3 benchmarks/bench_fused_linear_divergence.py --device cuda --accuracy \
+  --T 2048 --V 32768 --D 1024
+step inference_bench 100 python3 benchmarks/bench_inference_kernels.py --device cuda
+step kernel_tests 120 env SPECULATORS_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -p no:cacheprovider \
+  tests/kernels -W ignore::DeprecationWarning
+for f in loss_bench loss_atomics loss_accuracy inference_bench kernel_tests; do
+  echo; echo "##### $f"; tail -n 40 "$LOG/$f.log"
+done
