@@ -12,6 +12,9 @@
     python benchmarks/bench_fused_linear_divergence.py --device cuda
     python benchmarks/bench_fused_linear_divergence.py --device cuda --accuracy --T 2048 --V 32768 --D 1024
 
+--tune (CUDA) times ours over a few tile shapes / warps / pipeline stages, whole op and
+forward (statistics pass) alone.
+
 --accuracy compares each variant's loss and gradients with a float64 reference instead of
 timing them (a smaller shape: the reference materializes float64 logits).
 
@@ -183,6 +186,48 @@ def accuracy(a):
         x.grad = w.grad = None
 
 
+TUNE_CONFIGS = [  # BLOCK_T, BLOCK_V, BLOCK_D, num_warps, num_stages
+    (64, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 3),
+    (64, 256, 64, 8, 3), (128, 256, 64, 8, 3)]
+
+
+def tune(a):
+    x, w, xt, wt, labels = make_inputs(a)
+
+    def timed(fn, n=2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / n
+
+    def full():
+        x.grad = w.grad = None
+        fused_linear_divergence(x, w, xt, wt, labels=labels, divergence=a.divergence).backward()
+
+    def forward_only():
+        with torch.no_grad():
+            fused_linear_divergence(x, w, xt, wt, labels=labels, divergence=a.divergence)
+
+    print(f"tune: H={a.heads} T={a.T} V={a.V} D={a.D} dtype={a.dtype} divergence={a.divergence}")
+    chunked = lambda: per_head_chunked(x, w, xt, wt, labels, a.divergence)  # noqa: E731
+    chunked()
+    print(f"chunked (baseline, same run): {timed(chunked):.3f} s", flush=True)
+    print(f"{'BT':>4}{'BV':>5}{'BD':>4}{'warps':>6}{'stages':>7}{'full s':>9}{'stats s':>9}{'grad s':>9}")
+    for bt, bv, bd, nw, ns in TUNE_CONFIGS:
+        fld._GPU_BLOCKS = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_D=bd)
+        fld._GPU_LAUNCH = dict(num_warps=nw, num_stages=ns)
+        try:
+            full()  # compile
+            t_full, t_fwd = timed(full), timed(forward_only)
+            print(f"{bt:>4}{bv:>5}{bd:>4}{nw:>6}{ns:>7}{t_full:>9.3f}{t_fwd:>9.3f}{t_full - t_fwd:>9.3f}", flush=True)
+        except Exception as e:  # e.g. out of shared memory for this tile
+            print(f"{bt:>4}{bv:>5}{bd:>4}{nw:>6}{ns:>7}  failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
+
+
 def bf16_matmul_tflops(n=8192, reps=20):
     """Ceiling: a large bf16 torch.matmul, timed in the same run."""
     p, q = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -233,6 +278,7 @@ def main():
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
                     help="CUDA: the variants to run (default: all)")
     ap.add_argument("--accuracy", action="store_true", help="errors against float64 instead of timings")
+    ap.add_argument("--tune", action="store_true", help="CUDA: time ours over tile configurations")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.variants is None:
@@ -244,6 +290,8 @@ def main():
         return cpu_child(a)
     if a.accuracy:
         return accuracy(a)
+    if a.tune:
+        return tune(a)
     report(a, cpu_parent(a) if a.device == "cpu" else cuda_run(a))
 
 

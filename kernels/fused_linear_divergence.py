@@ -83,6 +83,7 @@ _CHUNK_BYTES = 32 * 2**20
 # 200-1200 bytes per thread); not yet timed on a GPU. fp32 inputs still spill (FMA dots).
 # Interpreter: tiny tiles so that test shapes span several tiles in every dimension.
 _GPU_BLOCKS = dict(BLOCK_T=64, BLOCK_V=64, BLOCK_D=64)
+_GPU_LAUNCH = dict(num_warps=8, num_stages=3)
 
 # GPU gradients: "atomics" adds every (row block, vocab tile)'s dz @ W and dz.T @ x into fp32
 # grad_input / grad_weight inside the kernel; "dz_chunks" writes dz for a range of vocab
@@ -348,7 +349,7 @@ def _triton_forward(xs, ws, teacher, zt, labels, scale, div, beta, temperature, 
     zt_arg, z_strides = (zt, zt.stride()) if zt is not None else (xs, (0, 0, 0))
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     blocks = _INTERPRET_BLOCKS if interpret else _GPU_BLOCKS
-    launch = dict(blocks, num_warps=8) if not interpret else blocks
+    launch = dict(blocks, **_GPU_LAUNCH) if not interpret else blocks
     common = dict(
         T=T, V=V, D=D, Dt=Dt, stride_zh=z_strides[0], stride_zt=z_strides[1],
         stride_zv=z_strides[2], inv_temp=1.0 / temperature, beta=beta,

@@ -7,10 +7,12 @@
 # Needs python3 with torch + triton + pytest on a CUDA machine; installs nothing. The package is laid
 # out as pip installs it (kernels/ -> speculators/kernels) in a scratch folder, so no install is needed.
 #
-#   bash scripts/gpu_check.sh [LOG_DIR]
+#   bash scripts/gpu_check.sh [LOG_DIR]        # the checks above
+#   bash scripts/gpu_check.sh LOG_DIR tune     # launch-configuration sweeps of the two benchmarks
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${1:-${OUT:-/tmp/gpu_check}}
+MODE=${2:-check}
 mkdir -p "$LOG"
 W=$(mktemp -d)
 cp -r "$REPO/speculators" "$W/speculators"
@@ -32,6 +34,12 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $LOG/NAME.lo
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
 }
 
+if [ "$MODE" = tune ]; then
+  step loss_tune 200 python3 benchmarks/bench_fused_linear_divergence.py --device cuda --tune
+  step verify_tune 100 python3 benchmarks/bench_inference_kernels.py --device cuda --only verify --tune --no-reference
+  for f in loss_tune verify_tune; do echo; echo "##### $f"; tail -n 40 "$LOG/$f.log"; done
+  exit 0
+fi
 step loss_bench 120 python3 benchmarks/bench_fused_linear_divergence.py --device cuda --variants naive chunked ours
 step loss_atomics 45 python3 benchmarks/bench_fused_linear_divergence.py --device cuda --variants atomics --repeats 1
 step loss_accuracy 45 python3 benchmarks/bench_fused_linear_divergence.py --device cuda --accuracy \
