@@ -5,8 +5,6 @@
   chunked  Liger-style loop: per head, token chunks of [chunk, V] logits (Liger's chunk-size
            heuristic), loss and gradients per chunk.
   ours     fused_linear_divergence (Triton on CUDA, chunked PyTorch on CPU).
-  atomics  CUDA only: fused_linear_divergence with GPU_GRADIENTS="atomics" (gradients added
-           inside the kernel instead of dz chunks + cuBLAS GEMMs).
 
     python benchmarks/bench_fused_linear_divergence.py --device cpu
     python benchmarks/bench_fused_linear_divergence.py --device cuda
@@ -39,8 +37,7 @@ from speculators.kernels.divergence_reference import divergence_reference, per_t
 import speculators.kernels.fused_linear_divergence as fld
 from speculators.kernels.fused_linear_divergence import fused_linear_divergence
 
-VARIANTS = ("naive", "chunked", "ours", "atomics")
-CPU_VARIANTS = VARIANTS[:3]
+VARIANTS = ("naive", "chunked", "ours")
 DEFAULTS = {  # one CPU round of the default shape takes minutes
     "cpu": dict(T=4096, V=49152, D=576, heads=4, dtype="float32", repeats=1),
     "cuda": dict(T=16384, V=128256, D=4096, heads=4, dtype="bfloat16", repeats=3),
@@ -101,7 +98,6 @@ def run_variant(name, inputs, divergence):
     x.grad = w.grad = None
     if name == "chunked":
         return per_head_chunked(x, w, xt, wt, labels, divergence)
-    fld.GPU_GRADIENTS = "atomics" if name == "atomics" else "dz_chunks"
     fn = divergence_reference if name == "naive" else fused_linear_divergence
     loss = fn(x, w, xt, wt, labels=labels, divergence=divergence)
     loss.backward()
@@ -125,9 +121,9 @@ def cpu_parent(a):
     processes on a shared machine hits all variants alike."""
     results = {}
     for _ in range(a.repeats):
-        for name in CPU_VARIANTS:
+        for name in a.variants:
             argv = [sys.executable, __file__, "--child", name] + [
-                f"--{k}={v}" for k, v in vars(a).items() if k not in ("child", "variants", "accuracy")]
+                f"--{k}={getattr(a, k)}" for k in ("device", "T", "V", "D", "heads", "dtype", "divergence", "repeats")]
             out = subprocess.run(argv, capture_output=True, text=True)
             if out.returncode != 0:  # e.g. naive killed for memory: report, keep going
                 print(f"{name}: failed ({out.returncode}): {out.stderr.strip()[-300:]}")
@@ -208,9 +204,8 @@ def tune(a):
         x.grad = w.grad = None
         fused_linear_divergence(x, w, xt, wt, labels=labels, divergence=a.divergence).backward()
 
-    def forward_only():
-        with torch.no_grad():
-            fused_linear_divergence(x, w, xt, wt, labels=labels, divergence=a.divergence)
+    def forward_only():  # inputs that need no gradient: the statistics pass alone
+        fused_linear_divergence(x.detach(), w.detach(), xt, wt, labels=labels, divergence=a.divergence)
 
     print(f"tune: H={a.heads} T={a.T} V={a.V} D={a.D} dtype={a.dtype} divergence={a.divergence}")
     chunked = lambda: per_head_chunked(x, w, xt, wt, labels, a.divergence)  # noqa: E731
@@ -255,8 +250,6 @@ def report(a, results):
     if "ours" in results and "chunked" in results:
         print(f"time   ours/chunked {best['ours'] / best['chunked']:.2f}x "
               f"(ours {best['chunked'] / best['ours']:.2f}x faster than chunked)")
-    if "atomics" in results and "ours" in results:
-        print(f"time   atomics/ours {best['atomics'] / best['ours']:.2f}x")
     if a.device == "cuda" and "ours" in results:
         # Useful FLOPs: the matmuls of the materialized formulation (student logits, teacher
         # logits unless ce, dX, dW). Ours executes more (logit recomputation; see its docstring).
@@ -276,13 +269,12 @@ def main():
     ap.add_argument("--divergence", default="fkl", choices=("ce", "fkl", "rkl", "jsd", "tvd"))
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
-                    help="CUDA: the variants to run (default: all)")
+                    help="the variants to run (default: all)")
     ap.add_argument("--accuracy", action="store_true", help="errors against float64 instead of timings")
     ap.add_argument("--tune", action="store_true", help="CUDA: time ours over tile configurations")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.variants is None:
-        a.variants = list(VARIANTS if a.device == "cuda" else CPU_VARIANTS)
+    a.variants = a.variants or list(VARIANTS)
     for k, v in DEFAULTS[a.device].items():
         if getattr(a, k) is None:
             setattr(a, k, v)

@@ -33,11 +33,13 @@ CUDA tensors run the Triton kernels: vocab tiles of the logits live only on chip
     accumulating sum e^(z - max) (z_t - z_s) with the same rescaling as the LSE sum.
   * pass 2 (stats kernel, jsd/tvd only): these losses and sum(q g) need both LSEs per element,
     so the tiles are recomputed once more.
-  * gradient pass (one program per (row block, vocab tile) of one head): recompute the tile,
-    form dz, and add dz @ W into grad_input and dz.T @ x into grad_weight with fp32 atomics.
+  * gradient pass, per range of vocab columns (dz kernel, one program per (row block, vocab
+    tile) of one head): recompute the tile, form dz and write it to a bounded [H*T, columns]
+    buffer; cuBLAS then writes grad_weight[columns] = dz.T @ x and adds dz @ W[columns] into an
+    fp32 grad_input.
   Dots take the input dtype (bf16 tensor cores) with fp32 accumulation, so logits are never
-  rounded to bf16; dz is cast to bf16 only as the operand of the gradient dots, as in any
-  bf16 backward (fp16 inputs use fp32 dots: dz would underflow fp16).
+  rounded to bf16; dz is rounded to bf16 only as the operand of the gradient GEMMs, as in any
+  bf16 backward (fp16 inputs keep dz in fp32: it would underflow fp16).
   Each pass recomputes the student logits (and the teacher's when given as hidden + weight), a
   2*T*V*D-FLOP matmul each. Counting matmuls of that size, with a teacher from hidden states:
   fkl/rkl run 6 (2 stats + 2 recompute + 2 grad) where materialized logits need 4; jsd/tvd
@@ -78,18 +80,19 @@ _TEACHER_LOGITS = 2
 # fast as 64 MiB and faster than 8-16 MiB, whose matmuls re-read W for fewer rows.
 _CHUNK_BYTES = 32 * 2**20
 
-# Triton tiles. GPU: compiled with ptxas for sm_90a, 64 x 64 tiles at 8 warps are the
-# largest that hold every bf16 kernel variant without register spills (64 x 128 spilled
-# 200-1200 bytes per thread); not yet timed on a GPU. fp32 inputs still spill (FMA dots).
+# Triton tiles. GPU: swept on an H200 at T=16384, V=128256, D=4096, 4 heads, bf16, fkl
+# (bench_fused_linear_divergence.py --tune, BENCHMARKS.md): 128 x 128 tiles at 8 warps and 4
+# stages took 0.93 s for loss + gradients, 64 x 64 (the most that compiles without register
+# spills) 1.40 s; the larger dot tiles re-read x and W half as often, which outweighs the spills.
 # Interpreter: tiny tiles so that test shapes span several tiles in every dimension.
-_GPU_BLOCKS = dict(BLOCK_T=64, BLOCK_V=64, BLOCK_D=64)
-_GPU_LAUNCH = dict(num_warps=8, num_stages=3)
+_GPU_BLOCKS = dict(BLOCK_T=128, BLOCK_V=128, BLOCK_D=64)
+_GPU_LAUNCH = dict(num_warps=8, num_stages=4)
 
-# GPU gradients: "atomics" adds every (row block, vocab tile)'s dz @ W and dz.T @ x into fp32
-# grad_input / grad_weight inside the kernel; "dz_chunks" writes dz for a range of vocab
-# columns (all heads and tokens, at most _DZ_CHUNK_BYTES) and leaves the two gradient GEMMs
-# to cuBLAS. Under test on the GPU (benchmarks/bench_fused_linear_divergence.py).
-GPU_GRADIENTS = "dz_chunks"
+# Gradients: dz for a range of vocab columns (all heads and tokens, at most this many bytes),
+# then two cuBLAS GEMMs. Adding dz @ W and dz.T @ x with fp32 atomics inside the kernel
+# instead, with no dz buffer at all, took 3.28 s against 1.34 s on the same H200 (64 x 64 tiles):
+# 2*T*V*D/64 atomics per head swamp the tensor cores. 256 MiB is ~1% of what the naive loss
+# holds at that shape; smaller chunks only add GEMM launches.
 _DZ_CHUNK_BYTES = 256 * 2**20
 _INTERPRET_BLOCKS = dict(BLOCK_T=4, BLOCK_V=16, BLOCK_D=8)
 
@@ -231,23 +234,16 @@ def _row_stats_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
 
 
 @triton.jit
-def _grad_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
-                 lse_s_ptr, lse_t_ptr, loss_ptr, sqg_ptr, scale_ptr, gx_ptr, gw_ptr, dz_ptr,
-                 T, V, D, Dt, stride_zh, stride_zt, stride_zv, v_lo, v_hi,
-                 inv_temp, beta, log_beta, log_1mbeta,
-                 DIV: tl.constexpr, TEACHER: tl.constexpr, PER_HEAD_W: tl.constexpr,
-                 NEED_GX: tl.constexpr, NEED_GW: tl.constexpr, STORE_DZ: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """dz for one (row block, vocab tile) of one head, in vocab columns [v_lo, v_hi).
-
-    Grid (T blocks * vocab tiles of the range, H). STORE_DZ writes the tile into a
-    [H, T, v_hi - v_lo] buffer (the caller turns it into gradients with two GEMMs); otherwise it
-    is added into grad_input and grad_weight here. Every tile is owned by one program, but a
-    grad_input row gets contributions from all vocab tiles and a grad_weight row from all row
-    blocks, hence fp32 atomics (their order makes the gradients non-deterministic at the fp32
-    rounding level).
-    """
+def _dz_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
+               lse_s_ptr, lse_t_ptr, loss_ptr, sqg_ptr, scale_ptr, dz_ptr,
+               T, V, D, Dt, stride_zh, stride_zt, stride_zv, v_lo, v_hi,
+               inv_temp, beta, log_beta, log_1mbeta,
+               DIV: tl.constexpr, TEACHER: tl.constexpr, PER_HEAD_W: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """dz = d loss / d logits for one (row block, vocab tile) of one head, vocab columns
+    [v_lo, v_hi), written into a [H, T, v_hi - v_lo] buffer. Grid (T blocks * vocab tiles of
+    the range, H)."""
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     num_v = tl.cdiv(v_hi - v_lo, BLOCK_V)
@@ -260,18 +256,14 @@ def _grad_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
     dz_mask = row_mask[:, None] & col_mask[None, :]
     # Row weight: head weight * valid / n_valid (mean) / temperature; 0 for ignored tokens.
     scale = tl.load(scale_ptr + h * T + rows, mask=row_mask, other=0.0)
-    if tl.max(tl.abs(scale), 0) == 0.0:
-        # every row ignored (padding, zero head weight): no gradient
-        if STORE_DZ:
-            tl.store(dz_ptrs, tl.zeros((BLOCK_T, BLOCK_V), tl.float32).to(dz_ptr.dtype.element_ty), mask=dz_mask)
+    if tl.max(tl.abs(scale), 0) == 0.0:  # every row ignored (padding, zero head weight)
+        tl.store(dz_ptrs, tl.zeros((BLOCK_T, BLOCK_V), tl.float32).to(dz_ptr.dtype.element_ty), mask=dz_mask)
         return
     xs_ptr += h * T * D
     if PER_HEAD_W:
         ws_ptr += h * V * D
-        gw_ptr += h * V * D
     xt_ptr += h * T * Dt
     zt_ptr += h * stride_zh
-    gx_ptr += h * T * D
 
     lse_s = tl.load(lse_s_ptr + h * T + rows, mask=row_mask, other=0.0)
     log_q = _logits_tile(xs_ptr, ws_ptr, rows, cols, row_mask, col_mask, D, inv_temp,
@@ -299,36 +291,9 @@ def _grad_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
                 g = (1.0 - beta) * (log_q - _log_mix(log_p, log_q, log_beta, log_1mbeta))
             dz = q * (g - sqg[:, None])
     dz = dz * scale[:, None]  # q = p = 0 on padded columns, so dz is 0 there
-    # Tensor-core operand: dz in the input dtype (as any bf16 backward does), fp32 accumulate.
-    if STORE_DZ:
-        tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=dz_mask)
-        return
-    if UPCAST:
-        dz_op = dz
-    else:
-        dz_op = dz.to(ws_ptr.dtype.element_ty)
-
-    num_d = tl.cdiv(D, BLOCK_D)
-    for i in range(0, num_d):
-        # Programs start at different D blocks so concurrent atomics hit different addresses.
-        d = ((i + pid) % num_d) * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_mask = d < D
-        if NEED_GX:
-            w = tl.load(ws_ptr + cols[:, None] * D + d[None, :],
-                        mask=col_mask[:, None] & d_mask[None, :], other=0.0)
-            if UPCAST:
-                w = w.to(tl.float32)
-            tl.atomic_add(gx_ptr + rows[:, None] * D + d[None, :],
-                          tl.dot(dz_op, w, input_precision=PRECISION),
-                          mask=row_mask[:, None] & d_mask[None, :], sem="relaxed")
-        if NEED_GW:
-            x = tl.load(xs_ptr + rows[:, None] * D + d[None, :],
-                        mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-            if UPCAST:
-                x = x.to(tl.float32)
-            tl.atomic_add(gw_ptr + cols[:, None] * D + d[None, :],
-                          tl.dot(tl.trans(dz_op), x, input_precision=PRECISION),
-                          mask=col_mask[:, None] & d_mask[None, :], sem="relaxed")
+    # The gradient GEMMs' operand: dz in the input dtype (as any bf16 backward does); fp32
+    # for fp32 and fp16 inputs (fp16 dz would underflow).
+    tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=dz_mask)
 
 
 def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
@@ -370,18 +335,10 @@ def _triton_forward(xs, ws, teacher, zt, labels, scale, div, beta, temperature, 
     if not (need_gx or need_gw):
         return stats[2], None, None
     args = (xs, ws, xt, wt, zt_arg, labels_arg, *stats, scale)
-    if GPU_GRADIENTS == "atomics":
-        gx = torch.zeros(H, T, D, dtype=torch.float32, device=xs.device) if need_gx else None
-        gw = torch.zeros(ws.shape, dtype=torch.float32, device=ws.device) if need_gw else None
-        grid = (t_blocks * triton.cdiv(V, blocks["BLOCK_V"]), H)
-        _grad_kernel[grid](*args, gx if need_gx else stats, gw if need_gw else stats, stats,
-                           **common, v_lo=0, v_hi=V, NEED_GX=need_gx, NEED_GW=need_gw,
-                           STORE_DZ=False, **launch)
-        return stats[2], gx, gw
-    # "dz_chunks": dz for a range of vocab columns at a time, for all heads and tokens, then
+    # dz for a range of vocab columns at a time, for all heads and tokens, then
     # grad_weight[cols] = dz.T @ x in one GEMM (written once, no accumulation) and
     # grad_input += dz @ W[cols]. The [H*T, cols] dz buffer is the only vocab-sized tensor.
-    op_dtype = torch.float32 if xs.dtype == torch.float16 else xs.dtype  # fp16 dz would underflow
+    op_dtype = torch.float32 if xs.dtype == torch.float16 else xs.dtype
     cols = max(blocks["BLOCK_V"], _DZ_CHUNK_BYTES // (H * T * op_dtype.itemsize)
                // blocks["BLOCK_V"] * blocks["BLOCK_V"])
     cols = min(cols, triton.cdiv(V, blocks["BLOCK_V"]) * blocks["BLOCK_V"])
@@ -393,8 +350,7 @@ def _triton_forward(xs, ws, teacher, zt, labels, scale, div, beta, temperature, 
         v_hi = min(V, v_lo + cols)
         dz = dz_buf[:H * T * (v_hi - v_lo)].view(H, T, v_hi - v_lo)
         grid = (t_blocks * triton.cdiv(v_hi - v_lo, blocks["BLOCK_V"]), H)
-        _grad_kernel[grid](*args, stats, stats, dz, **common, v_lo=v_lo, v_hi=v_hi,
-                           NEED_GX=need_gx, NEED_GW=need_gw, STORE_DZ=True, **launch)
+        _dz_kernel[grid](*args, dz, **common, v_lo=v_lo, v_hi=v_hi, **launch)
         if ws.dim() == 2:  # shared lm-head: one GEMM over all heads' tokens
             w_c = ws[v_lo:v_hi].to(op_dtype)
             if need_gw:

@@ -16,10 +16,7 @@ from speculators.kernels.fused_linear_divergence import FusedLinearDivergence, f
 # V=37 three vocab tiles (one partial), D=16 two D blocks, Dt=12 a partial D block.
 H, T, D, DT, V = 2, 5, 16, 12, 37
 FP32_TOL = 2e-5  # relative; fp32 runs reach ~3e-6 against float64
-# triton: the default GPU gradients (dz chunks + GEMMs); triton_atomics: gradients added with
-# atomics inside the kernel (both kept until the GPU benchmark settles between them).
-IMPLS = ["triton", "triton_atomics", "torch"]
-IMPL_ARG = {"triton": "triton", "triton_atomics": "triton", "torch": "torch"}
+IMPLS = ["triton", "torch"]
 
 
 def make_case(per_head=False, T=T, logit_std=1.0, seed=0):
@@ -72,13 +69,11 @@ def pick_teacher(case, teacher):
 
 
 @pytest.fixture(autouse=True)
-def small_chunks(monkeypatch, request):
+def small_chunks(monkeypatch):
     """Chunks of 3 rows, so that T=5 takes two chunks (one partial) on the CPU path; dz
     chunks of 16 vocab columns, so that V=37 takes three (one partial) on the Triton path."""
     monkeypatch.setattr(fld, "_CHUNK_BYTES", 3 * 4 * V)
     monkeypatch.setattr(fld, "_DZ_CHUNK_BYTES", 16 * H * T * 4)
-    impl = getattr(request.node, "callspec", None) and request.node.callspec.params.get("impl")
-    monkeypatch.setattr(fld, "GPU_GRADIENTS", "atomics" if impl == "triton_atomics" else "dz_chunks")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -94,7 +89,7 @@ def test_matches_reference(impl, per_head, divergence, teacher):
         options = dict(reduction="mean", temperature=1.7, head_weights=[1.0, 0.25], beta=0.3)
     options["divergence"] = divergence
     ref = run(divergence_reference, case, torch.float64, **options)
-    assert_close(run(fused_linear_divergence, case, torch.float32, _impl=IMPL_ARG[impl], **options), ref)
+    assert_close(run(fused_linear_divergence, case, torch.float32, _impl=impl, **options), ref)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -103,7 +98,7 @@ def test_single_token(impl, divergence):
     case = pick_teacher(make_case(T=1), "hidden")
     del case["labels"]
     ref = run(divergence_reference, case, torch.float64, divergence=divergence)
-    assert_close(run(fused_linear_divergence, case, torch.float32, _impl=IMPL_ARG[impl], divergence=divergence), ref)
+    assert_close(run(fused_linear_divergence, case, torch.float32, _impl=impl, divergence=divergence), ref)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -115,7 +110,7 @@ def test_bf16_far_better_than_bf16_logits(impl, divergence):
     case = pick_teacher(make_case(logit_std=16.0), "hidden")
     bf16 = {k: v.to(torch.bfloat16).double() if v.is_floating_point() else v for k, v in case.items()}
     ref = run(divergence_reference, bf16, torch.float64, divergence=divergence)
-    ours = run(fused_linear_divergence, bf16, torch.bfloat16, _impl=IMPL_ARG[impl], divergence=divergence)
+    ours = run(fused_linear_divergence, bf16, torch.bfloat16, _impl=impl, divergence=divergence)
     naive = run(divergence_reference, bf16, torch.bfloat16, divergence=divergence)  # bf16 logits
     assert_close(ours, ref, tol=5e-3)
     for a, n, r in zip(ours, naive, ref):
@@ -127,7 +122,7 @@ def test_bf16_far_better_than_bf16_logits(impl, divergence):
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 def test_jsd_beta_edges_are_zero(impl, beta):
     case = pick_teacher(make_case(), "logits")
-    loss, gx, gw = run(fused_linear_divergence, case, torch.float32, _impl=IMPL_ARG[impl], divergence="jsd", beta=beta)
+    loss, gx, gw = run(fused_linear_divergence, case, torch.float32, _impl=impl, divergence="jsd", beta=beta)
     assert loss.item() == 0.0 and not gx.any() and not gw.any()
 
 
@@ -137,18 +132,18 @@ def test_mean_with_a_fully_ignored_head(impl):
     case["labels"][1] = -100
     options = dict(divergence="rkl", reduction="mean", head_weights=torch.tensor([0.5, 2.0]))
     ref = run(divergence_reference, case, torch.float64, **options)
-    assert_close(run(fused_linear_divergence, case, torch.float32, _impl=IMPL_ARG[impl], **options), ref)
+    assert_close(run(fused_linear_divergence, case, torch.float32, _impl=impl, **options), ref)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_frozen_weight_and_no_grad(impl):
     case = pick_teacher(make_case(), "logits")
     ref = run(divergence_reference, case, torch.float64, train_weight=False)
-    ours = run(fused_linear_divergence, case, torch.float32, _impl=IMPL_ARG[impl], train_weight=False)
+    ours = run(fused_linear_divergence, case, torch.float32, _impl=impl, train_weight=False)
     assert_close(ours, ref)
     with torch.no_grad():
         loss = fused_linear_divergence(**{k: v.float() if v.is_floating_point() else v
-                                          for k, v in case.items()}, _impl=IMPL_ARG[impl])
+                                          for k, v in case.items()}, _impl=impl)
     assert rel_err(loss, ref[0]) < FP32_TOL
 
 
@@ -157,7 +152,7 @@ def test_inputs_left_untouched(impl):
     case = {k: v.float() if v.is_floating_point() else v for k, v in make_case().items()}
     del case["teacher_input"], case["teacher_weight"]
     before = {k: v.clone() for k, v in case.items()}
-    fused_linear_divergence(**case, divergence="jsd", temperature=2.0, _impl=IMPL_ARG[impl])
+    fused_linear_divergence(**case, divergence="jsd", temperature=2.0, _impl=impl)
     for k, v in case.items():
         assert torch.equal(v, before[k]), k
 
