@@ -19,13 +19,11 @@ def default_target_dir():
     return default_target_dir()
 
 
-@pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory, default_target_dir):
-    """A 2-layer random Llama with the default target's tokenizer and vocab."""
+def make_tiny_target(out, tokenizer_dir):
+    """A 2-layer random Llama with the given tokenizer and its vocab, saved to `out`."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("tiny-target")
-    tok = AutoTokenizer.from_pretrained(default_target_dir)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                       max_position_embeddings=1024, initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -37,6 +35,17 @@ def tiny_target_dir(tmp_path_factory, default_target_dir):
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """The default target's tokenizer on a tiny random Llama. SPECULATORS_TINY_TARGET names one
+    made earlier by make_tiny_target (the GPU machine has no copy of the default target)."""
+    if os.environ.get("SPECULATORS_TINY_TARGET"):
+        return os.environ["SPECULATORS_TINY_TARGET"]
+    from speculators.assets import default_target_dir
+
+    return make_tiny_target(tmp_path_factory.mktemp("tiny-target"), default_target_dir())
 
 
 CONVERSATIONS = [

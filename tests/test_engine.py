@@ -1,5 +1,8 @@
 """The built-in engine: greedy speculative decoding reproduces plain greedy decoding token for
-token, whatever the proposer proposes; sampling is reproducible per seed."""
+token, whatever the proposer proposes; sampling is reproducible per seed.
+
+SPECULATORS_TEST_DEVICE=cuda runs the engine tests on a GPU, where the engine uses the Triton
+kernels (scripts/gpu_check.sh does, with SPECULATORS_TINY_TARGET)."""
 
 import json
 import os
@@ -15,9 +18,16 @@ from speculators.models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculato
 from speculators.target import Target
 
 
+DEVICE = os.environ.get("SPECULATORS_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="module")
 def tiny_target(tiny_target_dir):
-    return Target.load(str(tiny_target_dir))
+    return Target.load(str(tiny_target_dir)).to(DEVICE)
+
+
+def on_device(model):
+    return model.to(DEVICE)
 
 
 def prompts(target, n=3):
@@ -46,8 +56,8 @@ def proposers(target, plain_outputs):
     torch.manual_seed(0)
     D, V = target.hidden_size, target.vocab_size
     return {
-        "mlp": HeadProposer(MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, n_predict=4))),
-        "medusa": HeadProposer(Medusa(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=4))),
+        "mlp": HeadProposer(on_device(MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, n_predict=4)))),
+        "medusa": HeadProposer(on_device(Medusa(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=4)))),
         "ngram": NgramProposer(1, 4),
         "replay": ReplayProposer(plain_outputs),
     }
@@ -98,11 +108,11 @@ class ReplayTreeProposer(TreeProposer):
         nxt = self.reference[self.pos + 1 : self.pos + 1 + k]
         self.pos += len(nxt) + 1
         if not nxt:
-            return paths_to_tree(torch.tensor([token]), torch.full((1, 1, k), -1))
+            return paths_to_tree(torch.tensor([token], device=DEVICE), torch.full((1, 1, k), -1, device=DEVICE))
         wrong0 = [(nxt[0] + 7) % 49152] + nxt[1:]
         wrong1 = nxt[:1] + [(t + 3) % 49152 for t in nxt[1:]]
         paths = [p + [-1] * (k - len(p)) for p in (wrong0, wrong1, nxt)]
-        return paths_to_tree(torch.tensor([token]), torch.tensor([paths]))
+        return paths_to_tree(torch.tensor([token], device=DEVICE), torch.tensor([paths], device=DEVICE))
 
 
 def test_tree_drafting_is_lossless(tiny_target):
@@ -111,8 +121,8 @@ def test_tree_drafting_is_lossless(tiny_target):
     plain = [SpeculativeDecoder(tiny_target, None, 0).generate(p, sp).tokens for p in ps]
     torch.manual_seed(0)
     D, V = tiny_target.hidden_size, tiny_target.vocab_size
-    mlp = MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, n_predict=3))
-    medusa = Medusa(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=3, original_lm_head=True))
+    mlp = on_device(MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, n_predict=3)))
+    medusa = on_device(Medusa(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=3, original_lm_head=True)))
     medusa.init_from_target(None, tiny_target.lm_head.weight)
     for p, expected in zip(ps, plain):
         replay = ReplayTreeProposer(p + expected, len(p))
@@ -127,7 +137,7 @@ def test_tree_drafting_is_lossless(tiny_target):
 
 def test_tree_sampling_needs_typical_acceptance(tiny_target):
     D, V = tiny_target.hidden_size, tiny_target.vocab_size
-    mlp = MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, n_predict=3))
+    mlp = on_device(MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, n_predict=3)))
     p = prompts(tiny_target, 1)[0]
     with pytest.raises(ValueError, match="typical acceptance"):
         SpeculativeDecoder(tiny_target, TreeProposer(mlp), 3).generate(p, SamplingParams(temperature=1.0, max_new_tokens=8))
