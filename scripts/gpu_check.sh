@@ -63,7 +63,7 @@ if [ "$MODE" = tune ]; then
   for f in loss_tune verify_tune; do echo; echo "##### $f"; tail -n 40 "$LOG/$f.log"; done
   exit 0
 fi
-step loss_bench 120 python3 benchmarks/bench_fused_linear_divergence.py --device cuda --variants naive chunked ours
+step loss_bench 120 python3 benchmarks/bench_fused_linear_divergence.py --device cuda
 step loss_accuracy 45 python3 benchmarks/bench_fused_linear_divergence.py --device cuda --accuracy \
   --T 2048 --V 32768 --D 1024
 step inference_bench 100 python3 benchmarks/bench_inference_kernels.py --device cuda

@@ -6,6 +6,7 @@ and assertions unchanged.
     TRITON_INTERPRET=0 SPECULATORS_TEST_DEVICE=cuda python -m pytest tests/kernels
 """
 
+import importlib
 import os
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 DEVICE = os.environ.get("SPECULATORS_TEST_DEVICE", "cpu")
 
-# Triton entry points, by module: (module, attribute names).
+# The Triton entry points, by module.
 TRITON_ENTRY_POINTS = {
     "speculators.kernels.fused_linear_divergence": ["_triton_forward"],
     "speculators.kernels.proposal": ["lm_head_topk_triton", "medusa_propose_triton",
@@ -48,8 +49,6 @@ def kernels_on_test_device(monkeypatch, request):
         return
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.exit("SPECULATORS_TEST_DEVICE=cuda needs TRITON_INTERPRET=0", returncode=2)
-    import importlib
-
     for module_name, names in TRITON_ENTRY_POINTS.items():
         module = importlib.import_module(module_name)
         for name in names:
