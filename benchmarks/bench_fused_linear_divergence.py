@@ -135,6 +135,17 @@ def cpu_parent(a):
     return results
 
 
+def cuda_seconds(fn, n=1):
+    """Mean seconds of n calls of fn, timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / n
+
+
 def cuda_run(a):
     inputs = make_inputs(a)
     results = {}
@@ -148,14 +159,9 @@ def cuda_run(a):
             torch.cuda.synchronize()
             warm = time.perf_counter() - t0
             print(f"{name}: warm-up (compile + 1 call) {warm:.1f} s", flush=True)
-            times = []
-            for _ in range(a.repeats if warm < 30 else 1):  # a slow variant gets one timed call
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run_variant(name, inputs, a.divergence)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
+            # a slow variant gets one timed call
+            times = [cuda_seconds(lambda: run_variant(name, inputs, a.divergence))
+                     for _ in range(a.repeats if warm < 30 else 1)]
         except torch.cuda.OutOfMemoryError:
             print(f"{name}: out of memory")
             continue
@@ -191,15 +197,6 @@ TUNE_CONFIGS = [  # BLOCK_T, BLOCK_V, BLOCK_D, num_warps, num_stages
 def tune(a):
     x, w, xt, wt, labels = make_inputs(a)
 
-    def timed(fn, n=2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / n
-
     def full():
         x.grad = w.grad = None
         fused_linear_divergence(x, w, xt, wt, labels=labels, divergence=a.divergence).backward()
@@ -210,14 +207,14 @@ def tune(a):
     print(f"tune: H={a.heads} T={a.T} V={a.V} D={a.D} dtype={a.dtype} divergence={a.divergence}")
     chunked = lambda: per_head_chunked(x, w, xt, wt, labels, a.divergence)  # noqa: E731
     chunked()
-    print(f"chunked (baseline, same run): {timed(chunked):.3f} s", flush=True)
+    print(f"chunked (baseline, same run): {cuda_seconds(chunked, 2):.3f} s", flush=True)
     print(f"{'BT':>4}{'BV':>5}{'BD':>4}{'warps':>6}{'stages':>7}{'full s':>9}{'stats s':>9}{'grad s':>9}")
     for bt, bv, bd, nw, ns in TUNE_CONFIGS:
         fld._GPU_BLOCKS = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_D=bd)
         fld._GPU_LAUNCH = dict(num_warps=nw, num_stages=ns)
         try:
             full()  # compile
-            t_full, t_fwd = timed(full), timed(forward_only)
+            t_full, t_fwd = cuda_seconds(full, 2), cuda_seconds(forward_only, 2)
             print(f"{bt:>4}{bv:>5}{bd:>4}{nw:>6}{ns:>7}{t_full:>9.3f}{t_fwd:>9.3f}{t_full - t_fwd:>9.3f}", flush=True)
         except Exception as e:  # e.g. out of shared memory for this tile
             print(f"{bt:>4}{bv:>5}{bd:>4}{nw:>6}{ns:>7}  failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
@@ -227,13 +224,7 @@ def bf16_matmul_tflops(n=8192, reps=20):
     """Ceiling: a large bf16 torch.matmul, timed in the same run."""
     p, q = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     p @ q
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        p @ q
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+    return 2 * n**3 / cuda_seconds(lambda: p @ q, reps) / 1e12
 
 
 def report(a, results):

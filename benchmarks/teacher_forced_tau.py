@@ -106,14 +106,16 @@ def main():
             heads[path] = load_speculator(path).float()
     for data in args.data:
         seqs = greedy_outputs(target, data, args.num_prompts, args.max_new_tokens)
+        def show(path, tau, acc, extra=""):
+            print(f"{data} {path}: tau {tau:.3f}  acceptance/pos {' / '.join(f'{a:.3f}' for a in acc)}{extra}",
+                  flush=True)
+
         for path, model in heads.items():
-            tau, acc = chain_tau(target, model, seqs, args.k)
-            print(f"{data} {path}: tau {tau:.3f}  acceptance/pos {' / '.join(f'{a:.3f}' for a in acc)}", flush=True)
+            show(path, *chain_tau(target, model, seqs, args.k))
         probs = target_probs(target, seqs) if drafts else []
         for path, lm in drafts.items():
             tau, acc, alpha = draft_chain_tau(lm, seqs, probs, args.k)
-            print(f"{data} {path}: tau {tau:.3f}  acceptance/pos {' / '.join(f'{a:.3f}' for a in acc)}"
-                  f"  alpha(T=1) {alpha:.3f}", flush=True)
+            show(path, tau, acc, f"  alpha(T=1) {alpha:.3f}")
 
 
 if __name__ == "__main__":

@@ -345,7 +345,7 @@ def _triton_forward(xs, ws, teacher, zt, labels, scale, div, beta, temperature, 
     dz_buf = torch.empty(H * T * cols, dtype=op_dtype, device=xs.device)
     gx = torch.zeros(H, T, D, dtype=torch.float32, device=xs.device) if need_gx else None
     gw = torch.empty(ws.shape, dtype=op_dtype, device=ws.device) if need_gw else None
-    x_op = xs.to(op_dtype)
+    x_op = xs.to(op_dtype) if need_gw else None  # the dz.T @ x operand
     for v_lo in range(0, V, cols):
         v_hi = min(V, v_lo + cols)
         dz = dz_buf[:H * T * (v_hi - v_lo)].view(H, T, v_hi - v_lo)

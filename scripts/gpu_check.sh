@@ -12,7 +12,7 @@
 # Needs python3 with torch + triton + pytest on a CUDA machine; installs nothing. The package is laid
 # out as pip installs it (kernels/ -> speculators/kernels) in a scratch folder, so no install is needed.
 #
-#   bash scripts/gpu_check.sh [LOG_DIR]        # the checks above
+#   bash scripts/gpu_check.sh [LOG_DIR]        # the checks above (logs: LOG_DIR, default runs/gpu_check)
 #   bash scripts/gpu_check.sh LOG_DIR tune     # launch-configuration sweeps of the two benchmarks
 #   bash scripts/gpu_check.sh LOG_DIR engine   # step 4 alone
 set -uo pipefail
@@ -24,7 +24,7 @@ from conftest import make_tiny_target
 from speculators.assets import default_target_dir
 make_tiny_target('.gpu_assets/tiny-target', default_target_dir())"
 fi
-LOG=${1:-${OUT:-/tmp/gpu_check}}
+LOG=${1:-$REPO/runs/gpu_check}
 MODE=${2:-check}
 mkdir -p "$LOG"
 W=$(mktemp -d)
