@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import yaml
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedType
 from accelerate.utils import set_seed
 from datasets import Dataset, load_from_disk
 from safetensors.torch import load_file, save_file
@@ -349,6 +349,10 @@ class Trainer:
         self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=autocast,
                                log_with=None if cfg.report_to == "none" else cfg.report_to,
                                project_dir=str(self.out))
+        if self.acc.distributed_type == DistributedType.FSDP:
+            # The loss reads the heads and the target's lm head outside the wrapped forward, and the
+            # frozen target is not sharded: under FSDP both would fail deep inside a step.
+            raise ConfigError("FSDP is not supported by this trainer yet; launch with DDP (--multi_gpu) instead")
         resolve_model_path(cfg.target)
         check_source(cfg.data)
         self._check_output_dir()
