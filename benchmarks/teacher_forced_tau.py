@@ -1,9 +1,9 @@
-"""Greedy chain τ of MLP-speculator and draft-model checkpoints, without running speculative decoding.
+"""Greedy chain τ of speculator (MLP, Medusa) and draft-model checkpoints, without running speculative decoding.
 
-Greedy speculative decoding emits exactly the target's greedy output. An MLP speculator's drafts at
-a step depend only on the target's hidden state at the last accepted position and the token it chose;
-a draft model's n-th draft, as long as the drafts before it were accepted, is its argmax after the
-target's own tokens. So one forward over plain greedy output gives every step's inputs, and this
+Greedy speculative decoding emits exactly the target's greedy output. A speculator's drafts at a step
+depend only on the target's hidden state at the last accepted position and the token it chose (Medusa
+ignores the token); a draft model's n-th draft, as long as the drafts before it were accepted, is
+its argmax after the target's own tokens. So one forward over plain greedy output gives every step's inputs, and this
 script replays the accept/reject walk over them. It agrees with `speculators eval` to the printed
 digits up to rounding (the quick export: 1.378 here, 1.38 there) and takes about a minute instead of
 several, which makes it the tool for comparing recipes; speed still needs `speculators eval`.
@@ -89,7 +89,7 @@ def draft_chain_tau(lm, seqs, probs: list[torch.Tensor], k: int) -> tuple[float,
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("exports", nargs="+", help="MLP-speculator exports or draft-model checkpoints / run directories")
+    p.add_argument("exports", nargs="+", help="speculator (MLP, Medusa) exports or draft-model checkpoints / run directories")
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--data", nargs="+", default=["mt-bench"], choices=["mt-bench", "humaneval"])
     p.add_argument("--k", type=int, default=3)
