@@ -2,9 +2,9 @@
 
 Greedy speculative decoding emits exactly the target's greedy output. A speculator's drafts at a step
 depend only on the target's hidden state at the last accepted position and the token it chose (Medusa
-ignores the token); a draft model's n-th draft, as long as the drafts before it were accepted, is
-its argmax after the target's own tokens. So one forward over plain greedy output gives every step's inputs, and this
-script replays the accept/reject walk over them. It agrees with `speculators eval` to the printed
+ignores the token); a draft model's n-th draft, as long as the drafts before it were accepted, is its
+argmax after the target's own tokens. So one forward over plain greedy output gives every step's
+inputs, and this script replays the accept/reject walk over them. It agrees with `speculators eval` to the printed
 digits up to rounding (the quick export: 1.378 here, 1.38 there) and takes about a minute instead of
 several, which makes it the tool for comparing recipes; speed still needs `speculators eval`.
 
