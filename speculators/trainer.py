@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from accelerate import Accelerator, DistributedType
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from datasets import Dataset, load_from_disk
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from .config import ConfigError, Stage, TrainConfig
 from .data import build_dataset, chat_ids, check_source, collate, prompts_from
 from .draft import build_draft
+from .generation import VLLMGenerator, generate_rows, stop_ids, uses_vllm
 from .kernels.fused_linear_divergence import fused_linear_divergence
 from .models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculatorConfig
 from .models.base import atomic_write_dir
@@ -285,40 +286,27 @@ def stage_prompts(tokenizer, source: Dataset, stage: Stage, cfg: TrainConfig) ->
     return [source[i]["input_ids"][: stage.prompt_tokens] for i in picks]
 
 
-@torch.no_grad()
-def generate_rows(model, tokenizer, prompts: list[list[int]], stage: Stage, seed: int, bar=None) -> list[dict]:
-    """Continuations `model` generates (sampled, or greedy when gen_temperature is 0), 16 prompts at a
-    time; the chunk at offset `start` is seeded with seed + start, so the rows are a function of the
-    model, the prompts and the seed. Rows hold prompt + continuation, the loss on the continuation."""
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    was_training = model.training
-    model.eval()
-    rows = []
-    for start in range(0, len(prompts), 16):
-        chunk = prompts[start : start + 16]
-        width = max(map(len, chunk))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])  # left-pad for generation
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        torch.manual_seed(seed + start)
-        sample = stage.gen_temperature > 0
-        out = model.generate(
-            input_ids=ids.to(model.device), attention_mask=attn.to(model.device), max_new_tokens=stage.gen_tokens,
-            do_sample=sample, temperature=stage.gen_temperature if sample else None,
-            # top_p pinned: a model's generation_config (upstream Qwen2.5 ships 0.8) must not narrow the stage's sampling
-            top_k=stage.gen_top_k if sample else None, top_p=1.0 if sample else None, pad_token_id=pad)
-        for p, seq in zip(chunk, out[:, width:].tolist()):
-            gen = seq[: next((j + 1 for j, t in enumerate(seq) if t == eos), len(seq))]
-            rows.append({"input_ids": p + gen, "loss_mask": [0] * len(p) + [1] * len(gen)})
-        if bar is not None:
-            bar.update(len(chunk))
-    model.train(was_training)
-    return rows
-
-
-def target_generated_dataset(target: Target, source: Dataset, stage: Stage, cfg: TrainConfig, rank: int,
-                             world: int) -> Dataset:
-    """The target's continuations of the stage's prompts (SeqKD); each process generates its own share."""
-    mine = stage_prompts(target.tokenizer, source, stage, cfg)[rank::world]
+def target_generated_dataset(target: Target, source: Dataset, stage: Stage, cfg: TrainConfig, acc: Accelerator) -> Dataset:
+    """This process's share of the target's continuations of the stage's prompts (SeqKD). With vLLM
+    the main process generates every share in one engine and hands them out; otherwise each process
+    generates its own with the built-in generator."""
+    rank, world = acc.process_index, acc.num_processes
+    prompts = stage_prompts(target.tokenizer, source, stage, cfg)
+    if uses_vllm(stage):
+        path, gguf = resolve_model_path(cfg.target)
+        if gguf:
+            raise ConfigError(f"stage {stage.name}: vLLM generation reads a model directory, not the GGUF file "
+                              f"{cfg.target}; use generator: builtin")
+        shares = None
+        if acc.is_main_process:
+            print(f"[{stage.name}] the target generates {len(prompts)} continuations with vLLM", flush=True)
+            gen = VLLMGenerator(path, stop_ids(target.model, target.tokenizer),
+                                DTYPES[resolve_precision(cfg.target_dtype)],
+                                max(map(len, prompts), default=1) + stage.gen_tokens, cfg.vllm_kv_cache_gib, cfg.seed)
+            shares = [gen.generate(prompts[r::world], stage, cfg.seed + 1000 * r) for r in range(world)]
+            gen.close()
+        return Dataset.from_list(broadcast_object_list([shares])[0][rank])
+    mine = prompts[rank::world]
     bar = tqdm(total=len(mine), desc=f"[{stage.name}] target generates", disable=rank != 0, unit="prompt")
     rows = generate_rows(target.model, target.tokenizer, mine, stage, cfg.seed + 1000 * rank, bar)
     bar.close()
@@ -385,6 +373,7 @@ class Trainer:
             params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.model, self.optim = self.acc.prepare(model, optim)
         self.step = 0
+        self._vllm = None  # the on-policy draft's vLLM engine, started at its first use (generation.py)
         if resume:
             self._load_checkpoint()
         self.vocab_ids = self.unwrapped.draft_vocab() if cfg.draft_vocab else None
@@ -419,8 +408,7 @@ class Trainer:
         path = self.out / "generated" / f"{stage.name}-rank{self.acc.process_index}"
         if path.exists():
             return load_from_disk(str(path))
-        ds = target_generated_dataset(self.target, self.dataset, stage, self.cfg, self.acc.process_index,
-                                      self.acc.num_processes)
+        ds = target_generated_dataset(self.target, self.dataset, stage, self.cfg, self.acc)
         ds.save_to_disk(str(path))
         return ds
 
@@ -435,8 +423,22 @@ class Trainer:
                 raise ConfigError(f"stage {stage.name}: no prompt of at most prompt_tokens={stage.prompt_tokens} tokens")
         prompts = [r["input_ids"] for r in self.step_rows(self._prompts, stage, step_in_stage, per_process=False)]
         draft = self.unwrapped.lm
-        return generate_rows(draft, self.tokenizer, prompts, stage,
-                             onpolicy_seed(self.cfg, self.step, self.acc.process_index))
+        if not uses_vllm(stage):
+            return generate_rows(draft, self.tokenizer, prompts, stage,
+                                 onpolicy_seed(self.cfg, self.step, self.acc.process_index))
+        # vLLM: the main process generates every process's prompts in one engine, started once from the
+        # undistilled draft's directory and given the draft's current weights before every step.
+        everyone = gather_object([prompts])
+        shares = None
+        if self.acc.is_main_process:
+            if self._vllm is None:
+                longest = max(len(r["input_ids"]) for r in self._prompts)
+                self._vllm = VLLMGenerator(str(self.out / "initial"), stop_ids(draft, self.tokenizer),
+                                           DTYPES[resolve_precision(self.cfg.mixed_precision)],
+                                           longest + stage.gen_tokens, self.cfg.vllm_kv_cache_gib, self.cfg.seed)
+            self._vllm.sync([(name, t.detach()) for name, t in draft.state_dict().items()])
+            shares = [self._vllm.generate(p, stage, onpolicy_seed(self.cfg, self.step, r)) for r, p in enumerate(everyone)]
+        return broadcast_object_list([shares])[0][self.acc.process_index]
 
     def step_rows(self, data: Dataset, stage: Stage, step_in_stage: int, per_process: bool) -> list[dict]:
         """This process's rows for one optimizer step: a seeded permutation per epoch, the global
@@ -512,6 +514,8 @@ class Trainer:
             if self.step % cfg.save_every == 0 or self.step == cfg.total_steps:
                 self.save_checkpoint()
         bar.close()
+        if self._vllm is not None:
+            self._vllm.close()
         final = self.out / "final"
         if acc.is_main_process:
             self.unwrapped.save_pretrained(final)

@@ -72,20 +72,20 @@ def train_export(kind: str, work: Path, extra: list[str]) -> Path:
     return export(final, work / kind)
 
 
-def build_draft_model(target_dir: Path, out: Path) -> Path:
-    """Layers DRAFT_LAYERS of the target with its embeddings, final norm and (tied) lm head: a plain HF
+def build_draft_model(target_dir: Path, out: Path, keep: tuple[int, ...] = DRAFT_LAYERS) -> Path:
+    """Layers `keep` of the target with its embeddings, final norm and (tied) lm head: a plain HF
     causal LM sharing the target's tokenizer and vocabulary, which vLLM's draft_model method loads."""
     from torch import nn
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     layers = model.model.layers
-    model.model.layers = nn.ModuleList(layers[i] for i in DRAFT_LAYERS)
+    model.model.layers = nn.ModuleList(layers[i] for i in keep)
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.layer_idx = i
-    model.config.num_hidden_layers = len(DRAFT_LAYERS)
+    model.config.num_hidden_layers = len(keep)
     if getattr(model.config, "layer_types", None):
-        model.config.layer_types = [model.config.layer_types[i] for i in DRAFT_LAYERS]
+        model.config.layer_types = [model.config.layer_types[i] for i in keep]
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(target_dir).save_pretrained(out)
     return out
