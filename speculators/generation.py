@@ -66,8 +66,7 @@ def vllm_available() -> bool:
 
 def uses_vllm(stage: Stage) -> bool:
     """Whether a stage generates with vLLM: `vllm` always (an error without it), `auto` where vLLM is
-    installed and a GPU is present (vLLM's CPU build generates, but slower than the built-in path for a
-    model this trainer holds in memory anyway), `builtin` never."""
+    installed and a GPU is present, `builtin` never."""
     if stage.generator == "vllm" and not vllm_available():
         raise ConfigError(f"stage {stage.name}: generator: vllm, but vLLM is not installed "
                           f"(pip install 'speculators[vllm]', or use generator: builtin)")
