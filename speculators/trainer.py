@@ -343,6 +343,9 @@ class Trainer:
             raise ConfigError("FSDP is not supported by this trainer yet; launch with DDP (--multi_gpu) instead")
         resolve_model_path(cfg.target)
         check_source(cfg.data)
+        for stage in cfg.stages:  # a stage that generates with vLLM must find it now, not hours in
+            if stage.data != "dataset" or stage.onpolicy_fraction:
+                uses_vllm(stage)
         self._check_output_dir()
         set_seed(cfg.seed)
         self.target = Target.load(cfg.target, DTYPES[resolve_precision(cfg.target_dtype)]).to(self.acc.device)

@@ -1,6 +1,7 @@
 """The trainer on a tiny random target: it learns, resumes exactly, matches one process with two
 DDP processes at the same global batch, and refuses bad input in one line."""
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -181,6 +182,11 @@ def test_bad_input(tmp_path, tiny_target_dir, chat_file, isolated_cache):
     one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh", draft_vocab=10**6)), "exceeds")
     one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh", lr="fast")), "not a number")
     one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh", n_predict=2.5)), "type int")
+    one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh",
+                                 stages="[{data: target, steps: 2, generator: vlm}]")), "generator='vlm'")
+    if importlib.util.find_spec("vllm") is None:  # the main venv: a vLLM stage stops before anything runs
+        one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh",
+                                     stages="[{data: target, steps: 2, generator: vllm}]")), "vLLM is not installed")
     assert not (tmp_path / "fresh").exists()
 
 
