@@ -293,10 +293,7 @@ def target_generated_dataset(target: Target, source: Dataset, stage: Stage, cfg:
     rank, world = acc.process_index, acc.num_processes
     prompts = stage_prompts(target.tokenizer, source, stage, cfg)
     if uses_vllm(stage):
-        path, gguf = resolve_model_path(cfg.target)
-        if gguf:
-            raise ConfigError(f"stage {stage.name}: vLLM generation reads a model directory, not the GGUF file "
-                              f"{cfg.target}; use generator: builtin")
+        path, _ = resolve_model_path(cfg.target)  # a directory: Trainer refuses a GGUF target for vLLM
         shares = None
         if acc.is_main_process:
             print(f"[{stage.name}] the target generates {len(prompts)} continuations with vLLM", flush=True)
@@ -343,9 +340,11 @@ class Trainer:
             raise ConfigError("FSDP is not supported by this trainer yet; launch with DDP (--multi_gpu) instead")
         resolve_model_path(cfg.target)
         check_source(cfg.data)
-        for stage in cfg.stages:  # a stage that generates with vLLM must find it now, not hours in
-            if stage.data != "dataset" or stage.onpolicy_fraction:
-                uses_vllm(stage)
+        for stage in cfg.stages:  # a stage that generates with vLLM must be able to, found now and not hours in
+            generates = stage.data != "dataset" or stage.onpolicy_fraction
+            if generates and uses_vllm(stage) and stage.data == "target" and resolve_model_path(cfg.target)[1]:
+                raise ConfigError(f"stage {stage.name}: vLLM generation reads the target's model directory, not "
+                                  f"the GGUF file {cfg.target}; use generator: builtin")
         self._check_output_dir()
         set_seed(cfg.seed)
         self.target = Target.load(cfg.target, DTYPES[resolve_precision(cfg.target_dtype)]).to(self.acc.device)
