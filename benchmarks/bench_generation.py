@@ -34,9 +34,10 @@ def main(argv=None) -> None:
     import torch
 
     from speculators.assets import default_target_dir
-    from speculators.config import Stage
+    from speculators.config import Stage, TrainConfig
     from speculators.generation import VLLMGenerator, generate_rows, stop_ids
     from speculators.target import load_causal_lm
+    from speculators.trainer import stage_prompts
 
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(default_target_dir())
@@ -47,15 +48,7 @@ def main(argv=None) -> None:
     stage = Stage(name="bench", data="target", num_prompts=args.num_prompts, prompts="chat",
                   prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, gen_temperature=args.temperature,
                   gen_top_k=0)
-    from speculators.data import chat_ids, prompts_from
-
-    chats = (chat_ids(tok, m) for m in prompts_from("sharegpt", None, 0))
-    prompts = []
-    for ids in chats:
-        if len(ids) <= args.prompt_tokens:
-            prompts.append(ids)
-        if len(prompts) == args.num_prompts:
-            break
+    prompts = stage_prompts(tok, None, stage, TrainConfig(data="sharegpt", seed=0))  # what a SeqKD stage would take
 
     def generated(rows):
         return sum(sum(r["loss_mask"]) for r in rows)

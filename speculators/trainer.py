@@ -338,11 +338,12 @@ class Trainer:
             # The loss reads the heads and the target's lm head outside the wrapped forward, and the
             # frozen target is not sharded: under FSDP both would fail deep inside a step.
             raise ConfigError("FSDP is not supported by this trainer yet; launch with DDP (--multi_gpu) instead")
-        resolve_model_path(cfg.target)
+        _, target_gguf = resolve_model_path(cfg.target)
         check_source(cfg.data)
         for stage in cfg.stages:  # a stage that generates with vLLM must be able to, found now and not hours in
-            generates = stage.data != "dataset" or stage.onpolicy_fraction
-            if generates and uses_vllm(stage) and stage.data == "target" and resolve_model_path(cfg.target)[1]:
+            if stage.data == "dataset" and not stage.onpolicy_fraction:
+                continue
+            if uses_vllm(stage) and stage.data == "target" and target_gguf:
                 raise ConfigError(f"stage {stage.name}: vLLM generation reads the target's model directory, not "
                                   f"the GGUF file {cfg.target}; use generator: builtin")
         self._check_output_dir()

@@ -35,13 +35,11 @@ def run_in_vllm_venv(vllm_python, args: list[str], log) -> None:
 
 
 def builtin_continuations(model_dir, prompts, gen_tokens) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from speculators.config import Stage
     from speculators.generation import generate_rows
+    from speculators.target import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    model, tok = load_causal_lm(str(model_dir), torch.float32)
     rows = generate_rows(model, tok, prompts, Stage(gen_tokens=gen_tokens, gen_temperature=0.0), seed=0)
     return [r["input_ids"][len(p):] for p, r in zip(prompts, rows)]
 
