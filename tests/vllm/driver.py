@@ -137,12 +137,13 @@ def config_checks(spec: dict) -> dict:
     import shutil
     import tempfile
 
-    foreign = Path(tempfile.mkdtemp()) / "foreign-medusa"
-    shutil.copytree(medusa, foreign)
-    cfg = json.loads((foreign / "config.json").read_text())
-    cfg.pop("speculators_target")
-    (foreign / "config.json").write_text(json.dumps(cfg))
-    checks["foreign_medusa"] = outcome(speculative_config={"model": str(foreign), "num_speculative_tokens": 3})
+    with tempfile.TemporaryDirectory() as tmp:  # removed after use: each copy is ~110 MB
+        foreign = Path(tmp) / "foreign-medusa"
+        shutil.copytree(medusa, foreign)
+        cfg = json.loads((foreign / "config.json").read_text())
+        cfg.pop("speculators_target")
+        (foreign / "config.json").write_text(json.dumps(cfg))
+        checks["foreign_medusa"] = outcome(speculative_config={"model": str(foreign), "num_speculative_tokens": 3})
     # An unsupported vLLM version: one clear error when an export is involved, nothing otherwise.
     real = plugin.vllm_version
     plugin.vllm_version = lambda: "0.34.0"
