@@ -200,7 +200,10 @@ def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normal
     ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     use_teacher = cfg.divergence != "ce"
     teacher_mode = cfg.teacher if cfg.teacher != "auto" else ("hidden" if ids.is_cuda else "logits")
-    hidden = batch["hidden"] if "hidden" in batch else target(ids, attn, logits=False).hidden
+    if cfg.kind == "draft_model" and not use_teacher:
+        hidden = None  # hard labels only: a draft reads its own states, so the target need not run at all
+    else:
+        hidden = batch["hidden"] if "hidden" in batch else target(ids, attn, logits=False).hidden
     if cfg.kind == "draft_model":
         states = model(ids, attn)  # [1, B, T, D]: the draft's own final hidden states
     else:

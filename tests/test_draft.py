@@ -100,8 +100,13 @@ def test_draft_loss_matches_float64_reference(tiny_target, tiny_target_dir, dive
     mask = torch.ones_like(ids)
     mask[:, :4] = 0
     batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+    target_runs = []
+    hook = tiny_target.body.register_forward_hook(lambda *_: target_runs.append(1))
     loss, n = speculator_loss(draft, tiny_target, batch, cfg, normalizer=7.0)
+    hook.remove()
     loss.backward()
+    # hard labels need no teacher: the target runs only for the divergences
+    assert len(target_runs) == (divergence != "ce")
 
     ref = copy.deepcopy(draft)
     ref.zero_grad()
