@@ -200,10 +200,9 @@ def speculator_loss(model, target: Target, batch: dict, cfg: TrainConfig, normal
     ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     use_teacher = cfg.divergence != "ce"
     teacher_mode = cfg.teacher if cfg.teacher != "auto" else ("hidden" if ids.is_cuda else "logits")
-    if cfg.kind == "draft_model" and not use_teacher:
-        hidden = None  # hard labels only: a draft reads its own states, so the target need not run at all
-    else:
-        hidden = batch["hidden"] if "hidden" in batch else target(ids, attn, logits=False).hidden
+    # a draft reads its own states, so on hard labels alone (no teacher) the target need not run at all
+    needs_target = use_teacher or cfg.kind != "draft_model"
+    hidden = (batch["hidden"] if "hidden" in batch else target(ids, attn, logits=False).hidden) if needs_target else None
     if cfg.kind == "draft_model":
         states = model(ids, attn)  # [1, B, T, D]: the draft's own final hidden states
     else:
@@ -344,9 +343,8 @@ class Trainer:
         _, target_gguf = resolve_model_path(cfg.target)
         check_source(cfg.data)
         for stage in cfg.stages:  # a stage that generates with vLLM must be able to, found now and not hours in
-            if stage.data == "dataset" and not stage.onpolicy_fraction:
-                continue
-            if uses_vllm(stage) and stage.data == "target" and target_gguf:
+            generates = stage.data != "dataset" or stage.onpolicy_fraction
+            if generates and uses_vllm(stage) and stage.data == "target" and target_gguf:
                 raise ConfigError(f"stage {stage.name}: vLLM generation reads the target's model directory, not "
                                   f"the GGUF file {cfg.target}; use generator: builtin")
         self._check_output_dir()
