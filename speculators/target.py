@@ -103,6 +103,28 @@ class Target(nn.Module):
         model, tokenizer = load_causal_lm(name, dtype)
         return cls(model, tokenizer, name)
 
+    def shard_layers(self, device: torch.device, world: int) -> tuple[int, int]:
+        """FSDP2: shard every decoder layer (the classes the model names in _no_split_modules, as HF's
+        own FSDP auto-wrap does) across the `world` processes of the initialized process group, moving
+        the shards to `device`. The embeddings, final norm and lm head stay whole: the loss reads the
+        lm head's weight outside any forward, and they are a small part of a large model. Every process
+        must then run the same sequence of target forwards. Returns (elements of the layers held by this
+        process, elements of the layers in all)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        names = set(getattr(self.model, "_no_split_modules", None) or [])
+        layers = [m for m in self.body.modules() if type(m).__name__ in names]
+        if not layers:
+            raise ValueError(f"{self.architecture} names no decoder layer class to shard (_no_split_modules)")
+        total = sum(p.numel() for m in layers for p in m.parameters())
+        mesh = init_device_mesh(device.type, (world,))
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        local = sum(p.to_local().numel() for m in layers for p in m.parameters())
+        self.to(device)
+        return local, total
+
     @property
     def hidden_size(self) -> int:
         return self.lm_head.weight.shape[1]

@@ -104,7 +104,10 @@ def regression_init(model: MLPSpeculator, target: Target, dataset, cfg: TrainCon
         tok_h, tok_y = (torch.zeros(embed.shape[0], D, dtype=torch.float64, device=acc.device) for _ in range(2))
         tok_c = torch.zeros(embed.shape[0], dtype=torch.float64, device=acc.device)
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    mine = order[: cfg.init_samples][acc.process_index :: acc.num_processes]
+    mine = order[: cfg.init_samples]
+    if cfg.shard_target and not cfg.cache_hidden:  # the same number of sharded target forwards everywhere
+        mine = mine[: len(mine) - len(mine) % acc.num_processes]
+    mine = mine[acc.process_index :: acc.num_processes]
     micro = cfg.micro_batch_size
     for start in tqdm(range(0, len(mine), micro), desc="init: regression", disable=not acc.is_main_process,
                       unit="batch"):
@@ -337,9 +340,13 @@ class Trainer:
                                log_with=None if cfg.report_to == "none" else cfg.report_to,
                                project_dir=str(self.out))
         if self.acc.distributed_type == DistributedType.FSDP:
-            # The loss reads the heads and the target's lm head outside the wrapped forward, and the
-            # frozen target is not sharded: under FSDP both would fail deep inside a step.
-            raise ConfigError("FSDP is not supported by this trainer yet; launch with DDP (--multi_gpu) instead")
+            # Accelerate's FSDP would shard the small speculator, whose heads the loss reads outside its
+            # wrapped forward, and leave the large frozen target whole: the wrong way round.
+            raise ConfigError("an accelerate FSDP config shards the speculator, not the target; launch with "
+                              "--multi_gpu and shard_target: true to shard the target with FSDP")
+        if cfg.shard_target and self.acc.num_processes < 2:
+            raise ConfigError("shard_target: true needs several processes (accelerate launch --multi_gpu "
+                              "--num_processes N)")
         _, target_gguf = resolve_model_path(cfg.target)
         check_source(cfg.data)
         for stage in cfg.stages:  # a stage that generates with vLLM must be able to, found now and not hours in
@@ -347,9 +354,15 @@ class Trainer:
             if generates and uses_vllm(stage) and stage.data == "target" and target_gguf:
                 raise ConfigError(f"stage {stage.name}: vLLM generation reads the target's model directory, not "
                                   f"the GGUF file {cfg.target}; use generator: builtin")
+            if stage.data == "target" and cfg.shard_target and not uses_vllm(stage):
+                # each process would generate its own share: different numbers of sharded forwards
+                raise ConfigError(f"stage {stage.name}: with shard_target the target's continuations need "
+                                  f"generator: vllm (the built-in generator would put the processes out of step)")
         self._check_output_dir()
         set_seed(cfg.seed)
-        self.target = Target.load(cfg.target, DTYPES[resolve_precision(cfg.target_dtype)]).to(self.acc.device)
+        self.target = Target.load(cfg.target, DTYPES[resolve_precision(cfg.target_dtype)])
+        if not cfg.shard_target:  # a sharded target moves shard by shard, below
+            self.target.to(self.acc.device)
         self.tokenizer = self.target.tokenizer
         self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.seq_len, cfg.max_samples, cfg.seed) \
             if self.acc.is_main_process else None
@@ -357,6 +370,11 @@ class Trainer:
         if self.dataset is None:
             self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.seq_len, cfg.max_samples, cfg.seed)
         model = build_draft(cfg, self.target) if cfg.kind == "draft_model" else build_speculator(cfg, self.target)
+        if cfg.shard_target:  # after the model copied what it needs from the target's whole layers
+            local, total = self.target.shard_layers(self.acc.device, self.acc.num_processes)
+            if self.acc.is_main_process:
+                print(f"shard_target: each process holds {local:,} of the target's {total:,} decoder-layer "
+                      f"parameters", flush=True)
         # dataset stages read these rows: the data set's, with the target's hidden states when cache_hidden
         self.rows = (cache_target_hidden(self.target, self.dataset, cfg.micro_batch_size, self.acc.device,
                                          self.acc.is_main_process) if cfg.cache_hidden else self.dataset)

@@ -3,6 +3,7 @@ DDP processes at the same global batch, and refuses bad input in one line."""
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -146,6 +147,29 @@ def test_ddp_matches_single_process(tmp_path, tiny_target_dir, chat_file, isolat
     assert la == pytest.approx(lb, rel=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["mlp_speculator", "draft_model"])
+def test_sharded_target_matches_single_process(tmp_path, tiny_target_dir, chat_file, isolated_cache, kind):
+    """shard_target: two processes each holding half of every target layer (FSDP2 over gloo) train the
+    same weights as one process with the whole target. The MLP case runs the target in its least-squares
+    start too (no cache), the draft case in every KL step."""
+    extra = {"init": "regression", "scale_input": False} if kind == "mlp_speculator" else \
+        {"kind": kind, "draft_layers": "[0]", "divergence": "fkl"}
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    p1 = run(overrides(tiny_target_dir, chat_file, single, steps=3, **extra),
+             [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu"])
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    p2 = run(overrides(tiny_target_dir, chat_file, sharded, steps=3, shard_target=True, **extra),
+             [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--main_process_port", "29533"])
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    held, total = (int(n.replace(",", "")) for n in
+                   re.search(r"holds ([\d,]+) of the target's ([\d,]+)", p2.stdout).groups())
+    assert held <= total // 2 + 64, (held, total)  # half, give or take FSDP's padding of odd rows
+    a, b = weights(single), weights(sharded)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+
+
 def one_line_error(proc, *needles):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -184,6 +208,8 @@ def test_bad_input(tmp_path, tiny_target_dir, chat_file, isolated_cache):
     one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh", n_predict=2.5)), "type int")
     one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh",
                                  stages="[{data: target, steps: 2, generator: vlm}]")), "generator='vlm'")
+    one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh", shard_target=True)),
+                   "several processes")
     if importlib.util.find_spec("vllm") is None:  # the main venv: a vLLM stage stops before anything runs
         one_line_error(run(overrides(tiny_target_dir, chat_file, tmp_path / "fresh",
                                      stages="[{data: target, steps: 2, generator: vllm}]")), "vLLM is not installed")
