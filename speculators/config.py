@@ -113,8 +113,6 @@ class TrainConfig:
     report_to: str = "none"  # none | wandb | tensorboard
     log_every: int = 10
     vllm_kv_cache_gib: float = 2.0  # KV-cache memory of a vLLM generator (generator: vllm / auto on a GPU)
-    eval_prompts: int = 8  # held-out validation prompts (training data) for the in-loop acceptance check
-    eval_k: int = 3
 
     def __post_init__(self):
         self.stages = [s if isinstance(s, Stage) else _strict(Stage, s, "stages[]") for s in self.stages]

@@ -55,7 +55,7 @@ def test_trainer_generates_with_vllm_like_the_builtin_generator(vllm_python, def
              "gen_temperature": 1.0, "gen_top_k": 0, "generator": "vllm"},
         ],
         "lr": 1e-3, "warmup_steps": 1, "batch_size": 4, "micro_batch_size": 4, "vllm_kv_cache_gib": 0.25,
-        "eval_prompts": 0, "log_every": 1, "output_dir": str(tmp_path / "run"),
+        "log_every": 1, "output_dir": str(tmp_path / "run"),
     }
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     run_in_vllm_venv(vllm_python, ["train/distill.py", "--config", str(tmp_path / "recipe.yaml")], tmp_path / "train.log")

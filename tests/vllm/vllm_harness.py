@@ -65,7 +65,7 @@ def train_export(kind: str, work: Path, extra: list[str]) -> Path:
 
     args = ["--target=smollm2-135m-instruct", "--data=sharegpt", "--max_samples=200", "--seq_len=128",
             "--n_predict=3", "--batch_size=2", "--micro_batch_size=2", "--warmup_steps=2", "--log_every=10",
-            "--save_every=1000", "--eval_prompts=0", "--report_to=none", "--target_dtype=fp32",
+            "--save_every=1000", "--report_to=none", "--target_dtype=fp32",
             "--mixed_precision=fp32", "--seed=0", f"--kind={kind}", f"--output_dir={work / (kind + '-run')}",
             *extra]
     final = Trainer(load_config(None, args)).train()
