@@ -351,10 +351,11 @@ class Trainer:
         check_source(cfg.data)
         for stage in cfg.stages:  # a stage that generates with vLLM must be able to, found now and not hours in
             generates = stage.data != "dataset" or stage.onpolicy_fraction
-            if generates and uses_vllm(stage) and stage.data == "target" and target_gguf:
+            with_vllm = generates and uses_vllm(stage)  # raises here where vLLM is asked for and missing
+            if stage.data == "target" and with_vllm and target_gguf:
                 raise ConfigError(f"stage {stage.name}: vLLM generation reads the target's model directory, not "
                                   f"the GGUF file {cfg.target}; use generator: builtin")
-            if stage.data == "target" and cfg.shard_target and not uses_vllm(stage):
+            if stage.data == "target" and cfg.shard_target and not with_vllm:
                 # each process would generate its own share: different numbers of sharded forwards
                 raise ConfigError(f"stage {stage.name}: with shard_target the target's continuations need "
                                   f"generator: vllm (the built-in generator would put the processes out of step)")
