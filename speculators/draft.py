@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import ConfigError
 from .models.base import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, atomic_write_dir, read_safetensors
-from .target import Target, load_causal_lm, resolve_model_path
+from .target import Target, load_causal_lm, resolve_model_path, whole
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -93,8 +93,9 @@ def build_draft(cfg, target: Target) -> DraftModel:
             dcfg.layer_types = [dcfg.layer_types[i] for i in layers]
         lm = AutoModelForCausalLM.from_config(dcfg, dtype=torch.float32)
         src = target.model.state_dict()
-        # draft layer j is target layer layers[j]; every other tensor (embeddings, norm, lm head) is shared
-        lm.load_state_dict({name: src[_LAYER.sub(lambda m: f".layers.{layers[int(m.group(1))]}.", name, count=1)]
+        # draft layer j is target layer layers[j]; every other tensor (embeddings, norm, lm head) is shared.
+        # A sharded target's layer tensors are gathered one by one, in the same order in every process.
+        lm.load_state_dict({name: whole(src[_LAYER.sub(lambda m: f".layers.{layers[int(m.group(1))]}.", name, count=1)])
                             for name in lm.state_dict()})
     elif cfg.draft_init == "model":
         if not cfg.draft_model:

@@ -80,6 +80,14 @@ def convert_gguf_to_safetensors(gguf_path: Path, out_dir: Path) -> None:
     tmp.replace(out_dir)
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor in full: a sharded one (a DTensor of a sharded target) is all-gathered, a collective that
+    every process must call in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 @dataclass
 class TargetOutput:
     hidden: torch.Tensor  # [B, T, D] post-final-norm hidden states
@@ -103,27 +111,83 @@ class Target(nn.Module):
         model, tokenizer = load_causal_lm(name, dtype)
         return cls(model, tokenizer, name)
 
-    def shard_layers(self, device: torch.device, world: int) -> tuple[int, int]:
-        """FSDP2: shard every decoder layer (the classes the model names in _no_split_modules, as HF's
-        own FSDP auto-wrap does) across the `world` processes of the initialized process group, moving
-        the shards to `device`. The embeddings, final norm and lm head stay whole: the loss reads the
-        lm head's weight outside any forward, and they are a small part of a large model. Every process
-        must then run the same sequence of target forwards. Returns (elements of the layers held by this
-        process, elements of the layers in all)."""
+    @classmethod
+    def load_sharded(cls, name: str, dtype: torch.dtype, device: torch.device, world: int) -> "Target":
+        """FSDP2 without the whole model in any process: the model is built with its parameters on the
+        meta device, every decoder layer (the classes the model names in _no_split_modules, as HF's own
+        FSDP auto-wrap picks them) is sharded across the `world` processes of the initialized process
+        group, and each process then reads the checkpoint one tensor at a time, keeping only its own
+        rows of a layer's tensors. The embeddings, final norm and lm head stay whole: the loss reads the
+        lm head's weight outside any forward. Every process must then run the same target forwards."""
+        from accelerate import init_empty_weights
+        from safetensors import safe_open
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-        names = set(getattr(self.model, "_no_split_modules", None) or [])
-        layers = [m for m in self.body.modules() if type(m).__name__ in names]
-        if not layers:
-            raise ValueError(f"{self.architecture} names no decoder layer class to shard (_no_split_modules)")
-        total = sum(p.numel() for m in layers for p in m.parameters())
+        path, gguf = resolve_model_path(name)
+        if gguf:
+            raise AssetError(f"shard_target reads a safetensors checkpoint tensor by tensor, not the GGUF file {name}; "
+                             f"save the dequantized model with save_pretrained and give its directory")
+        if not Path(path).is_dir():  # a Hub id, the Hub being online: its files, not the whole model in memory
+            from huggingface_hub import snapshot_download
+            path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise AssetError(f"{path} has no .safetensors weights; shard_target loads only those")
+        config = AutoConfig.from_pretrained(path)
+        with init_empty_weights():  # parameters on the meta device; buffers (rotary frequencies) real
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(path)  # its EOS ids stop generation
+        except OSError:
+            pass
+        target = cls(model, AutoTokenizer.from_pretrained(path), name)
+        if not target.decoder_layers():
+            raise AssetError(f"{target.architecture} names no decoder layer class to shard (_no_split_modules)")
         mesh = init_device_mesh(device.type, (world,))
-        for layer in layers:
+        for layer in target.decoder_layers():
             fully_shard(layer, mesh=mesh)
-        local = sum(p.to_local().numel() for m in layers for p in m.parameters())
-        self.to(device)
-        return local, total
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
+        model.to_empty(device=device)  # memory for this process's shards and the whole small parts
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
+            if config.get_text_config().tie_word_embeddings:
+                model.tie_weights()  # to_empty gave the lm head its own storage
+            params = dict(model.named_parameters())
+            for file in files:
+                with safe_open(file, framework="pt") as f:
+                    for key in f.keys():
+                        param = params.pop(key, None)
+                        if param is None:
+                            continue
+                        if isinstance(param, DTensor):  # read only this process's rows (FSDP2: torch.chunk on dim 0)
+                            rows = -(-param.shape[0] // world)
+                            start = min(param.device_mesh.get_local_rank() * rows, param.shape[0])
+                            local = f.get_slice(key)[start:start + rows].to(device, dtype)
+                            param.copy_(DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                                           shape=param.shape, stride=param.stride()))
+                        else:
+                            param.copy_(f.get_tensor(key).to(device, dtype))
+        if params:
+            raise AssetError(f"{path}: the checkpoint has no tensor for {sorted(params)[:3]}; shard_target loads "
+                             f"tensors by the model's parameter names")
+        return target
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers: the classes the model names in _no_split_modules (HF's FSDP auto-wrap unit)."""
+        names = set(getattr(self.model, "_no_split_modules", None) or [])  # fully_shard subclasses them: see the MRO
+        return [m for m in self.body.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+
+    def layer_parameters(self) -> tuple[int, int]:
+        """(decoder-layer parameter elements this process holds, elements in all): equal unless sharded."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for layer in self.decoder_layers() for p in layer.parameters()]
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+        return local, sum(p.numel() for p in params)
 
     @property
     def hidden_size(self) -> int:

@@ -361,9 +361,14 @@ class Trainer:
                                   f"generator: vllm (the built-in generator would put the processes out of step)")
         self._check_output_dir()
         set_seed(cfg.seed)
-        self.target = Target.load(cfg.target, DTYPES[resolve_precision(cfg.target_dtype)])
-        if not cfg.shard_target:  # a sharded target moves shard by shard, below
-            self.target.to(self.acc.device)
+        target_dtype = DTYPES[resolve_precision(cfg.target_dtype)]
+        if cfg.shard_target:
+            self.target = Target.load_sharded(cfg.target, target_dtype, self.acc.device, self.acc.num_processes)
+            if self.acc.is_main_process:
+                print("shard_target: each process holds {:,} of the target's {:,} decoder-layer parameters"
+                      .format(*self.target.layer_parameters()), flush=True)
+        else:
+            self.target = Target.load(cfg.target, target_dtype).to(self.acc.device)
         self.tokenizer = self.target.tokenizer
         self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.seq_len, cfg.max_samples, cfg.seed) \
             if self.acc.is_main_process else None
@@ -371,11 +376,6 @@ class Trainer:
         if self.dataset is None:
             self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.seq_len, cfg.max_samples, cfg.seed)
         model = build_draft(cfg, self.target) if cfg.kind == "draft_model" else build_speculator(cfg, self.target)
-        if cfg.shard_target:  # after the model copied what it needs from the target's whole layers
-            local, total = self.target.shard_layers(self.acc.device, self.acc.num_processes)
-            if self.acc.is_main_process:
-                print(f"shard_target: each process holds {local:,} of the target's {total:,} decoder-layer "
-                      f"parameters", flush=True)
         # dataset stages read these rows: the data set's, with the target's hidden states when cache_hidden
         self.rows = (cache_target_hidden(self.target, self.dataset, cfg.micro_batch_size, self.acc.device,
                                          self.acc.is_main_process) if cfg.cache_hidden else self.dataset)
