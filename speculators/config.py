@@ -89,10 +89,11 @@ class TrainConfig:
     # step. Holds rows x tokens x hidden size values in memory (600 x 256 x 576 in fp32: 0.35 GB), so it
     # suits recipes that revisit a small data set; the least-squares start reads the same cache.
     cache_hidden: bool = False
-    # FSDP for a target too big for one device: every process keeps 1/N of each of the frozen target's
-    # decoder layers and all-gathers one layer at a time in its forward (torch's fully_shard; gloo on a
-    # CPU, NCCL on GPUs). The speculator, small, stays replicated under DDP. Needs --multi_gpu with
-    # several processes; a stage the target generates for must use generator: vllm.
+    # FSDP for a target too big for one device: every process loads and keeps 1/N of each of the frozen
+    # target's decoder layers and all-gathers one layer at a time in its forward (torch's fully_shard;
+    # gloo on a CPU, NCCL on GPUs). The speculator, small, stays replicated under DDP. Needs --multi_gpu
+    # with several processes and a safetensors target; a stage the target generates for must use
+    # generator: vllm.
     shard_target: bool = False
     # optimisation
     stages: list = field(default_factory=lambda: [{"name": "stage1", "data": "dataset", "steps": 100}])

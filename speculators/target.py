@@ -149,6 +149,10 @@ class Target(nn.Module):
         mesh = init_device_mesh(device.type, (world,))
         for layer in target.decoder_layers():
             fully_shard(layer, mesh=mesh)
+            # FSDP keeps a root module's parameters gathered after its forward (training would gather
+            # them again at once for the backward). Here every layer is a root and no backward comes,
+            # so each is resharded as soon as it has run: one gathered layer at a time.
+            layer.register_forward_hook(lambda module, args, output: module.reshard())
         buffers = {n: b.clone() for n, b in model.named_buffers()}
         model.to_empty(device=device)  # memory for this process's shards and the whole small parts
         with torch.no_grad():

@@ -147,6 +147,34 @@ def test_ddp_matches_single_process(tmp_path, tiny_target_dir, chat_file, isolat
     assert la == pytest.approx(lb, rel=1e-4)
 
 
+SHARDED_LOAD = """
+import sys, torch, torch.distributed as dist
+from speculators.target import Target
+dist.init_process_group("gloo")
+whole = Target.load(sys.argv[1], torch.float32)
+sharded = Target.load_sharded(sys.argv[1], torch.float32, torch.device("cpu"), dist.get_world_size())
+ids = torch.arange(1, 24)[None]
+for _ in range(2):  # the layers must be sharded again after every forward, not only before the first
+    torch.testing.assert_close(sharded(ids).logits, whole(ids).logits, rtol=1e-5, atol=1e-5)
+    print("held %d of %d" % sharded.layer_parameters(), flush=True)
+"""
+
+
+def test_sharded_load_reads_only_own_rows(tmp_path, tiny_target_dir):
+    """Target.load_sharded in two gloo processes: the same logits as the whole target, forward after
+    forward, while each process holds half of every decoder layer (the rest is never loaded)."""
+    script = tmp_path / "sharded_load.py"
+    script.write_text(SHARDED_LOAD)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", "29535", str(script), str(tiny_target_dir)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    held = [tuple(map(int, m)) for m in re.findall(r"held (\d+) of (\d+)", proc.stdout)]
+    assert len(held) == 4, proc.stdout
+    for local, total in held:
+        assert local <= total // 2 + 64, (local, total)  # half, give or take FSDP's padding of odd rows
+
+
 @pytest.mark.parametrize("kind", ["mlp_speculator", "draft_model"])
 def test_sharded_target_matches_single_process(tmp_path, tiny_target_dir, chat_file, isolated_cache, kind):
     """shard_target: two processes each holding half of every target layer (FSDP2 over gloo) train the
