@@ -47,22 +47,30 @@ def resolve_model_path(name: str) -> tuple[str, str | None]:
 
 def load_causal_lm(name: str, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) for a causal LM given by alias, directory, GGUF file or Hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a per-tensor bar for a 1-second load is noise
     path, gguf = resolve_model_path(name)
     kwargs = {"gguf_file": gguf} if gguf else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        tokenizer = load_tokenizer(path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if gguf else dtype, **kwargs)
     except OSError as err:
         raise AssetError(f"could not load model {name!r}: {str(err).splitlines()[0]}") from None
     if gguf:
         model = model.to(dtype)
+    return model, tokenizer
+
+
+def load_tokenizer(path: str, **kwargs):
+    """A model's tokenizer, padding with EOS where it names no pad token (batches need one)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return tokenizer
 
 
 def convert_gguf_to_safetensors(gguf_path: Path, out_dir: Path) -> None:
@@ -124,7 +132,7 @@ class Target(nn.Module):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         path, gguf = resolve_model_path(name)
         if gguf:
@@ -143,7 +151,7 @@ class Target(nn.Module):
             model.generation_config = GenerationConfig.from_pretrained(path)  # its EOS ids stop generation
         except OSError:
             pass
-        target = cls(model, AutoTokenizer.from_pretrained(path), name)
+        target = cls(model, load_tokenizer(path), name)
         if not target.decoder_layers():
             raise AssetError(f"{target.architecture} names no decoder layer class to shard (_no_split_modules)")
         mesh = init_device_mesh(device.type, (world,))
