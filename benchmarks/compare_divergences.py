@@ -1,7 +1,7 @@
 """DistillSpec's divergence comparison on the default target, at one training budget.
 
-Five drafts start from the same 6-layer cut of SmolLM2-135M-Instruct (`train/configs/draft_smollm2_layers.yaml`,
-same seed) and train for the same number of steps of 8 sequences: forward KL, reverse KL, JSD(0.5) and
+Five drafts start from the same layer cut of SmolLM2-135M-Instruct (`train/configs/draft_smollm2_layers.yaml`'s
+`draft_layers`, same seed) and train for the same number of steps of 8 sequences: forward KL, reverse KL, JSD(0.5) and
 total variation on on-policy data (every step the draft samples continuations of ShareGPT prompts at
 T = 1 and the target scores them), and forward KL on the fixed ShareGPT data. Each is then measured with
 `teacher_forced_tau.py`'s walk on the same MT-Bench and HumanEval prompts, beside the undistilled cut.
