@@ -26,6 +26,20 @@ def test_gguf_file_loads_like_the_converted_dir(target):
     torch.testing.assert_close(gguf(ids).logits, target(ids).logits)
 
 
+def test_sharded_load_needs_safetensors(tmp_path):
+    """shard_target reads safetensors tensor by tensor: a GGUF file or a directory without safetensors
+    weights is refused in one line, before any process group is touched."""
+    from speculators.assets import AssetError
+
+    with pytest.raises(AssetError, match="GGUF file"):
+        Target.load_sharded(str(fetch("smollm2-gguf")), torch.bfloat16, torch.device("cpu"), 2)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    with pytest.raises(AssetError, match="no .safetensors weights"):
+        Target.load_sharded(str(bare), torch.bfloat16, torch.device("cpu"), 2)
+
+
 def test_missing_model_is_a_clear_error(tmp_path):
     from speculators.assets import AssetError
 
