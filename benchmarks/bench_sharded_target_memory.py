@@ -9,8 +9,8 @@ buffers), the decoder-layer parameters held, and how far the loaded target's hid
 on one batch are from the whole target's (they must agree: same weights, same forward).
 
     python benchmarks/bench_sharded_target_memory.py                        # the default target, bf16
-    python benchmarks/bench_sharded_target_memory.py --widen 4 --layers 12  # a random-weight target of its
-                                                                            # architecture, 16x the layer size, 12 layers
+    python benchmarks/bench_sharded_target_memory.py --widen 4 --layers 12  # random weights, its architecture:
+                                                                            # 16x the layer size, 12 layers
 
 Memory depends only on the shapes, so `--widen`/`--layers` write a random-weight checkpoint (hidden and MLP
 sizes times `--widen`) to a temporary directory, to show the effect at a size where the layers dominate.
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from speculators.target import Target, load_causal_lm, resolve_model_path
+from speculators.target import Target, load_tokenizer, resolve_model_path
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GIB = 2**30
@@ -65,10 +65,10 @@ def free_port() -> int:
 
 def random_checkpoint(model: str, widen: int, layers: int | None, dtype: torch.dtype, out: str) -> str:
     """A random-weight model of `model`'s architecture, `widen` times wider, as a safetensors directory."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    source, tokenizer = load_causal_lm(model)
-    cfg = source.config
+    path = resolve_model_path(model)[0]
+    cfg = AutoConfig.from_pretrained(path)
     cfg.hidden_size *= widen
     cfg.intermediate_size *= widen
     cfg.num_attention_heads *= widen
@@ -77,7 +77,7 @@ def random_checkpoint(model: str, widen: int, layers: int | None, dtype: torch.d
     torch.manual_seed(0)
     big = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     big.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    load_tokenizer(path).save_pretrained(out)
     return out
 
 
@@ -96,7 +96,7 @@ def main():
             model = random_checkpoint(args.model, args.widen, args.layers, DTYPES[args.saved_dtype], tmp)
         print(f"target: {model} ({resolve_model_path(model)[0]}), {args.dtype}, {args.processes} gloo processes")
         results = mp.Manager().dict()
-        for sharded in (False, True):  # fresh processes per variant: ru_maxrss is per process
+        for sharded in (False, True):  # fresh processes per variant: nothing of the other's load remains
             mp.spawn(worker, args=(args.processes, free_port(), model, DTYPES[args.dtype], sharded, results),
                      nprocs=args.processes)
     reference = results[(False, 0)][4]

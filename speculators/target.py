@@ -96,6 +96,22 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def _read_into(param: torch.Tensor, checkpoint, key: str) -> None:
+    """Copy checkpoint tensor `key` (an open safetensors file) into `param`, reading only this process's
+    rows of a sharded one (FSDP2 shards dim 0 as torch.chunk does)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        param.copy_(checkpoint.get_tensor(key).to(param.device, param.dtype))
+        return
+    mesh = param.device_mesh
+    rows = -(-param.shape[0] // mesh.size())
+    start = min(mesh.get_local_rank() * rows, param.shape[0])
+    local = checkpoint.get_slice(key)[start:start + rows].to(param.to_local().device, param.dtype)
+    param.copy_(DTensor.from_local(local, mesh, param.placements, run_check=False, shape=param.shape,
+                                   stride=param.stride()))
+
+
 @dataclass
 class TargetOutput:
     hidden: torch.Tensor  # [B, T, D] post-final-norm hidden states
@@ -131,7 +147,6 @@ class Target(nn.Module):
         from safetensors import safe_open
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import DTensor
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         path, gguf = resolve_model_path(name)
@@ -152,10 +167,11 @@ class Target(nn.Module):
         except OSError:
             pass
         target = cls(model, load_tokenizer(path), name)
-        if not target.decoder_layers():
+        layers = target.decoder_layers()
+        if not layers:
             raise AssetError(f"{target.architecture} names no decoder layer class to shard (_no_split_modules)")
         mesh = init_device_mesh(device.type, (world,))
-        for layer in target.decoder_layers():
+        for layer in layers:
             fully_shard(layer, mesh=mesh)
             # FSDP keeps a root module's parameters gathered after its forward (training would gather
             # them again at once for the backward). Here every layer is a root and no backward comes,
@@ -171,18 +187,8 @@ class Target(nn.Module):
             params = dict(model.named_parameters())
             for file in files:
                 with safe_open(file, framework="pt") as f:
-                    for key in f.keys():
-                        param = params.pop(key, None)
-                        if param is None:
-                            continue
-                        if isinstance(param, DTensor):  # read only this process's rows (FSDP2: torch.chunk on dim 0)
-                            rows = -(-param.shape[0] // world)
-                            start = min(param.device_mesh.get_local_rank() * rows, param.shape[0])
-                            local = f.get_slice(key)[start:start + rows].to(device, dtype)
-                            param.copy_(DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                                           shape=param.shape, stride=param.stride()))
-                        else:
-                            param.copy_(f.get_tensor(key).to(device, dtype))
+                    for key in f.keys() & params.keys():
+                        _read_into(params.pop(key), f, key)
         if params:
             raise AssetError(f"{path}: the checkpoint has no tensor for {sorted(params)[:3]}; shard_target loads "
                              f"tensors by the model's parameter names")
