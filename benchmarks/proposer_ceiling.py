@@ -33,6 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from speculators.data import build_dataset, chat_ids, eval_prompts
 from speculators.target import Target
@@ -41,9 +42,10 @@ from speculators.trainer import cache_target_hidden
 STUDIES = {"medusa": 0, "mlp": 1, "mlp+1": 2}  # name -> how many tokens after h_t it reads
 
 
-def training_positions(rows: list[dict], n_tokens: int):
-    """From each ShareGPT row: h_t, the n_tokens tokens after t, and h_{t+n_tokens} (whose readout is the
-    target's distribution over the token to predict), at positions whose tokens are all assistant text."""
+def training_positions(rows: list[dict]):
+    """From each ShareGPT row, at every position t whose next two tokens are assistant text: h_t,
+    [x_{t+1}, x_{t+2}], and [h_{t+1}, h_{t+2}] (whose readouts are the target's distributions over
+    x_{t+2} and x_{t+3}, the tokens the studies predict)."""
     H, X, Y = [], [], []
     for r in rows:
         h, ids = r["hidden"].float(), torch.tensor(r["input_ids"])
@@ -117,10 +119,10 @@ def hits(model, h, x, label, head) -> torch.Tensor:
         return (model(h, x) @ head.T).argmax(-1) == label
 
 
-def train(model, h, x, y, head, steps: int, batch: int, lr: float, seed: int):
+def train(model, h, x, y, head, steps: int, batch: int, lr: float, seed: int, desc: str):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
-    for step in range(steps):
+    for step in tqdm(range(steps), desc=desc, unit="step", leave=False):
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
         idx = torch.randint(0, len(h), (batch,), generator=gen)
@@ -153,7 +155,7 @@ def main():
     target = Target.load(args.target, torch.bfloat16)
     ds = build_dataset("sharegpt", target.tokenizer, 256, max_samples=args.rows, seed=0)
     rows = cache_target_hidden(target, ds, 8, torch.device("cpu"), True)
-    H, X, Y = training_positions(rows, 2)
+    H, X, Y = training_positions(rows)
     del rows
     eH, eX = eval_positions(target, args.num_prompts, args.max_new_tokens)
     W = target.lm_head.weight.float()
@@ -172,7 +174,7 @@ def main():
             t0 = time.time()
             model = Predictor(A, embed, n_tok, width, args.depth)
             if width:
-                train(model, H, x, y, head, args.steps, args.batch, args.lr, seed=0)
+                train(model, H, x, y, head, args.steps, args.batch, args.lr, seed=0, desc=f"{name} width {width}")
             results[name, width] = hit = hits(model, eH, ex, label, W)
             acc = hit.float().mean().item()
             print(f"{name:7s} width {width:5d}{' x ' + str(args.depth) if width else '':4s}  top-1 {acc:.3f}  "
