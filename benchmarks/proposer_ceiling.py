@@ -1,10 +1,11 @@
 """How much can any proposer that reads only the target's last hidden state (and the tokens after it)
-accept? An upper-bound study for issue 2's τ goals on the embedded target.
+accept? A measured ceiling for issue 2's τ goals on the embedded target (an estimate: the best of the
+predictors fitted here, at the data scale given, not a proof).
 
 vLLM's MLP speculator and Medusa heads see the target's post-norm hidden state h_t at the last accepted
 position, and the MLP speculator also the token(s) after it. Whatever their architecture, their first
 draft can only be as good as the best predictor of the target's greedy x_{t+2} from those inputs. This
-script fits predictors of growing capacity, far beyond the vLLM formats, and measures that ceiling:
+script fits predictors of growing capacity, freer than the vLLM formats, and measures that ceiling:
 
 - `medusa`   : h_t                          → x_{t+2}   (Medusa head 0)
 - `mlp`      : h_t, x_{t+1}                 → x_{t+2}   (MLP-speculator stage 0)
@@ -23,7 +24,8 @@ The implied chain ceiling at k drafts, τ ≤ 1 + a0·(1 + c1 + … + c1^(k-1)),
 and every later stage as good as c1, the best `mlp+1`'s agreement at the positions where that stage 0 was
 right (later stages see less than the true state, so this is generous).
 
-    python benchmarks/proposer_ceiling.py                          # 1600 rows, 300 steps: 23 min on 2 cores
+    python benchmarks/proposer_ceiling.py                          # 1262 usable of 1600 rows, 300 steps: 23 min on 2 cores
+    python benchmarks/proposer_ceiling.py --rows 6000 --widths 0 1152 --steps 900   # the long recipe's rows: 26 min
 """
 
 import argparse
