@@ -35,9 +35,10 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from teacher_forced_tau import greedy_outputs
 from tqdm import tqdm
 
-from speculators.data import build_dataset, chat_ids, eval_prompts
+from speculators.data import build_dataset
 from speculators.target import Target
 from speculators.trainer import cache_target_hidden
 
@@ -65,11 +66,9 @@ def eval_positions(target: Target, n_prompts: int, max_new_tokens: int):
     """The target's greedy answers to MT-Bench prompts: h_t, x_{t+1}, x_{t+2} and the label x_{t+3}
     for every answer position t (x_{t+2} is the label of the one-token studies)."""
     H, X = [], []
-    for messages in eval_prompts("mt-bench", n_prompts):
-        ids = chat_ids(target.tokenizer, messages)
-        seq = target.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)[0]
+    for prompt_len, seq in greedy_outputs(target, "mt-bench", n_prompts, max_new_tokens):
         hidden = target(seq[None], logits=False).hidden[0].float()
-        t = torch.arange(len(ids) - 1, len(seq) - 3)
+        t = torch.arange(prompt_len - 1, len(seq) - 3)
         H.append(hidden[t])
         X.append(torch.stack([seq[t + 1 + j] for j in range(3)], 1))
     return torch.cat(H), torch.cat(X)
