@@ -1,6 +1,6 @@
 """How much can any proposer that reads only the target's last hidden state (and the tokens after it)
-accept? A measured ceiling for issue 2's τ goals on the embedded target (an estimate: the best of the
-predictors fitted here, at the data scale given, not a proof).
+accept? A measured ceiling for the MLP and Medusa recipes' τ on the embedded target (an estimate: the
+best of the predictors fitted here, at the data scale given, not a proof).
 
 vLLM's MLP speculator and Medusa heads see the target's post-norm hidden state h_t at the last accepted
 position, and the MLP speculator also the token(s) after it. Whatever their architecture, their first
