@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -58,35 +60,111 @@ def read_safetensors(path: Path, allow_pickle: bool = False) -> dict[str, torch.
                 f"{path} is a pickle checkpoint, which can run arbitrary code when loaded; "
                 f"convert it to safetensors or pass --allow-pickle if you trust it"
             )
-        return torch.load(path, map_location="cpu", weights_only=False)
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({err}); it may be truncated or corrupt") from None
+        tensors = torch.load(path, map_location="cpu", weights_only=False)
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise CheckpointError(f"{path} does not hold a dict of tensors (a state dict); save the weights alone")
+    else:
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({err}); it may be truncated or "
+                                  f"corrupt") from None
+    # A damaged header can name another dtype of the same size (int32 for float32): the file then loads
+    # without complaint and the bits, read as integers, become weights of 1e9. Weights are floating point.
+    floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            expected = str(max(set(floats), key=floats.count)).removeprefix("torch.") if floats else "floating point"
+            raise CheckpointError(f"{path}: tensor {name} has dtype {str(t.dtype).removeprefix('torch.')} where "
+                                  f"{expected} is expected; the file's header may be damaged: export or save it again")
+    return tensors
+
+
+# atomic_write_dir and atomic_write_file write through siblings named ".NAME.tmp-PID" (the new
+# version, being written) and ".NAME.old-PID" (the version being replaced, between the two renames).
+# Only names of this form are ever cleaned up, so nothing else beside NAME is touched.
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-\d+")
+
+
+def fault_point(stage: str) -> None:
+    """Test hook: SPECULATORS_FAULT_AT=<stage> ends the process here as kill -9 would (exit code 137),
+    so the tests interrupt a write at each of its steps without relying on timing. A stage is
+    "<point>:<name>", <name> being the file or directory written and <point> one of dir_written,
+    old_moved, dir_renamed (atomic_write_dir), file_written (atomic_write_file),
+    latest_updated and history_appended (Trainer; their name is the step's checkpoint, step-0000002)."""
+    if os.environ.get("SPECULATORS_FAULT_AT") == stage:
+        os._exit(137)
+
+
+def recover_writes(parent: Path, name: str | None = None) -> None:
+    """Finish what interrupted atomic writes left in `parent` (only those to `name`, when given). A
+    replacement killed between its two renames gets its previous version back (the only complete one);
+    every other leftover is a temporary copy or an already replaced version, and is deleted."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return
+    for entry in sorted(os.listdir(parent)):
+        match = _LEFTOVER.fullmatch(entry)
+        if not match or name not in (None, match["name"]):
+            continue
+        leftover, final = parent / entry, parent / match["name"]
+        if match["kind"] == "old" and not final.exists():
+            leftover.rename(final)
+        else:
+            _remove(leftover)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def atomic_write_dir(out_dir: Path, write) -> None:
-    """Run write(tmp_dir) then rename into place, so a crash never leaves half a checkpoint."""
+    """Run write(tmp_dir), then put tmp_dir in place of out_dir (a directory of any depth, or none), so
+    out_dir always holds a complete version, the old or the new one. A write that raises leaves out_dir
+    as it was and no temporary copy. A process killed part way leaves ".NAME.tmp-PID" or ".NAME.old-PID"
+    beside it, which recover_writes resolves: here, before the next write to out_dir, and when the
+    trainer resumes a run."""
     out_dir = Path(out_dir)
+    recover_writes(out_dir.parent, out_dir.name)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=False)
-    write(tmp)
-    # safetensors writes through a private temporary file (mode 0600); give every file the
-    # umask's usual mode so a server running as another user (vLLM in a container) can read it.
-    umask = os.umask(0)
-    os.umask(umask)
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            f.chmod(0o666 & ~umask)
-    if out_dir.exists():
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        # safetensors writes through a private temporary file (mode 0600); give every file the
+        # umask's usual mode so a server running as another user (vLLM in a container) can read it.
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                f.chmod(0o666 & ~umask)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fault_point(f"dir_written:{out_dir.name}")
+    if out_dir.exists() or out_dir.is_symlink():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         out_dir.rename(old)
+        fault_point(f"old_moved:{out_dir.name}")
         tmp.rename(out_dir)
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
+        fault_point(f"dir_renamed:{out_dir.name}")
+        _remove(old)
     else:
         tmp.rename(out_dir)
+        fault_point(f"dir_renamed:{out_dir.name}")
+
+
+def atomic_write_file(path: Path, text: str) -> None:
+    """Replace the file `path` by one holding `text` in a single step (a temporary sibling, then
+    os.replace), so a reader or a kill never finds it half written."""
+    path = Path(path)
+    recover_writes(path.parent, path.name)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    fault_point(f"file_written:{path.name}")
+    os.replace(tmp, path)
 
 
 class SpeculatorModel(nn.Module):
