@@ -37,7 +37,7 @@ from .draft import build_draft
 from .generation import VLLMGenerator, generate_rows, stop_ids, uses_vllm
 from .kernels.fused_linear_divergence import fused_linear_divergence
 from .models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculatorConfig
-from .models.base import atomic_write_dir
+from .models.base import atomic_write_dir, atomic_write_file, fault_point, recover_writes
 from .optim import AdamW8bit
 from .target import Target, resolve_model_path
 
@@ -404,8 +404,13 @@ class Trainer:
     def _check_output_dir(self):
         ckpts = self.out / "checkpoints"
         if self.resume:
-            if not (ckpts / "latest").exists():
-                raise ConfigError(f"--resume: no checkpoint in {ckpts}; start without --resume")
+            if self.acc.is_main_process:  # what a killed run's atomic writes left behind
+                for parent in (self.out, ckpts, self.out / "generated"):
+                    recover_writes(parent)
+            self.acc.wait_for_everyone()
+            if self._newest_checkpoint() is None:
+                raise ConfigError(f"--resume: no checkpoint in {ckpts}; start without --resume"
+                                  + (" in an empty output_dir" if self.out.exists() else ""))
         elif self.out.exists() and any(self.out.iterdir()):
             raise ConfigError(f"output_dir {self.out} is not empty; pass --resume to continue it or choose another")
         self.acc.wait_for_everyone()
@@ -432,7 +437,7 @@ class Trainer:
         if path.exists():
             return load_from_disk(str(path))
         ds = target_generated_dataset(self.target, self.dataset, stage, self.cfg, self.acc)
-        ds.save_to_disk(str(path))
+        atomic_write_dir(path, lambda tmp: ds.save_to_disk(str(tmp)))
         return ds
 
     def onpolicy_rows(self, idx: int, stage: Stage, step_in_stage: int) -> list[dict]:
@@ -550,9 +555,28 @@ class Trainer:
         if self.acc.is_main_process:
             with open(self.out / "history.jsonl", "a") as f:
                 f.write(json.dumps({"step": self.step, **metrics}) + "\n")
+            fault_point(f"history_appended:step-{self.step:07d}")
+
+    def _truncate_history(self):
+        """history.jsonl up to the resumed step: a step's line is written before its checkpoint, so a
+        run killed between the two has a line for a step it trains again. A line the kill cut short is
+        dropped too."""
+        path = self.out / "history.jsonl"
+        if not path.exists():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= self.step:
+                    kept.append(line + "\n")
+            except (json.JSONDecodeError, KeyError, TypeError):
+                pass
+        atomic_write_file(path, "".join(kept))
 
     # Checkpoints: model (vLLM layout), optimizer state and RNG, all safetensors, written to a
-    # temporary directory and renamed into place; `latest` is replaced atomically last.
+    # temporary directory and renamed into place (atomic_write_dir); `latest` is replaced atomically
+    # last. A step directory exists only once complete, so --resume reads the newest one: `latest`
+    # lags it in a run killed between the two.
     def save_checkpoint(self):
         acc = self.acc
         acc.wait_for_everyone()
@@ -567,15 +591,16 @@ class Trainer:
                 (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "optimizer": meta}))
 
             atomic_write_dir(path, write)
-            latest = self.out / "checkpoints" / "latest"
-            tmp_latest = latest.with_suffix(".tmp")
-            tmp_latest.write_text(path.name)
-            os.replace(tmp_latest, latest)
+            atomic_write_file(self.out / "checkpoints" / "latest", path.name)
+            fault_point(f"latest_updated:{path.name}")
         acc.wait_for_everyone()
 
+    def _newest_checkpoint(self) -> Path | None:
+        steps = [p for p in (self.out / "checkpoints").glob("step-*") if p.name[5:].isdigit() and p.is_dir()]
+        return max(steps, key=lambda p: int(p.name[5:]), default=None)
+
     def _load_checkpoint(self):
-        ckpts = self.out / "checkpoints"
-        path = ckpts / (ckpts / "latest").read_text().strip()
+        path = self._newest_checkpoint()
         from .models.base import read_safetensors
 
         model = self.unwrapped
@@ -585,6 +610,11 @@ class Trainer:
         torch.set_rng_state(tensors.pop("rng.torch"))
         self.optim.load_state_dict(_unflatten_optimizer(tensors, state["optimizer"]))
         self.step = state["step"]
+        if self.acc.is_main_process:
+            latest = self.out / "checkpoints" / "latest"
+            if not latest.exists() or latest.read_text().strip() != path.name:
+                atomic_write_file(latest, path.name)
+            self._truncate_history()
 
 
 def _loss_tokens(batch: dict, shifts: list[int]) -> int:
