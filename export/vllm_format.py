@@ -5,6 +5,7 @@ says how to load it in each vLLM version."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -66,6 +67,14 @@ def check_against_target(model, target: str) -> dict:
 def export(ckpt: str | Path, out: str | Path, target: str | None = None, force: bool = False,
            dtype: str | None = None, allow_pickle: bool = False) -> Path:
     out = Path(out)
+    if out.exists():  # the export replaces `out` whole: never over a training run or its own source
+        source = find_checkpoint(ckpt).resolve()
+        if out.resolve() in (source, *source.parents):
+            raise CheckpointError(f"{out} holds the checkpoint being exported; choose another --out")
+        run = next((d for d, dirs, files in os.walk(out) if "checkpoints" in dirs or "history.jsonl" in files), None)
+        if run is not None:
+            raise CheckpointError(f"{out} holds a training run ({run}), which the export would delete; "
+                                  f"choose another --out")
     if out.exists() and any(out.iterdir()) and not force:
         raise CheckpointError(f"{out} is not empty; pass --force to replace it")
     if is_draft_checkpoint(find_checkpoint(ckpt)):

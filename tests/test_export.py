@@ -3,6 +3,7 @@ in one line with a non-zero exit and nothing overwritten."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -71,6 +72,21 @@ def test_non_empty_out_needs_force(tmp_path, mlp_ckpt):
     assert (out / "keep.txt").read_text() == "precious"
     assert run_cli("export", mlp_ckpt, "--out", out, "--force").returncode == 0
     assert (out / "model.safetensors").exists()
+
+
+def test_never_exports_over_a_run_or_its_own_checkpoint(tmp_path, mlp_ckpt):
+    """--force replaces --out whole, so a directory holding a training run or the checkpoint being
+    exported is refused, and nothing in it is touched."""
+    run = tmp_path / "runs" / "x"
+    shutil.copytree(mlp_ckpt, run / "checkpoints" / "step-0000001" / "model")
+    (run / "checkpoints" / "latest").write_text("step-0000001")
+    (run / "history.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    before = {p: p.read_bytes() if p.is_file() else None for p in sorted(tmp_path.rglob("*"))}
+    for ckpt, out, needle in [(run, run, "holds the checkpoint being exported"),
+                              (mlp_ckpt, mlp_ckpt, "holds the checkpoint being exported"),
+                              (mlp_ckpt, tmp_path / "runs", "holds a training run")]:
+        one_line_error(run_cli("export", ckpt, "--out", out, "--force"), needle)
+    assert {p: p.read_bytes() if p.is_file() else None for p in sorted(tmp_path.rglob("*"))} == before
 
 
 def test_wrong_vocab_and_hidden(tmp_path, tiny_target_dir):
