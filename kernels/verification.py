@@ -37,11 +37,17 @@ implementations.  Two modes:
 2. counter-based hashing (``seeds=...``, the fast path): ``u = U(seed, position, stream, vocab
    index)`` from a Weyl sequence finalised by a 32-bit integer mixer (Wellons' "lowbias32"):
    ``key = mix(mix(seed_hi ^ c0) ^ seed_lo)``, ``skey = mix(key ^ mix(2 * position + stream +
-   c1))``, ``u = (mix(v * 0x9E3779B1 + skey) >> 8 + 0.5) / 2**24``, all modulo 2**32 —
+   c1))``, ``u = (mix(v * 0x9E3779B1 + skey) >> 9 + 0.5) / 2**23``, all modulo 2**32 —
    implemented bit-identically in Triton (``uint32``) and torch (``int64`` masked to 32 bits,
    :func:`counter_uniforms`).  Nothing is materialised: the kernel derives the noise of a vocab
    tile in registers.  Stream 1 (vocab index 0) gives the accept-test uniform of position j,
    stream 0 the vocabulary noise ``E = -log u`` of row j.
+
+   The uniforms lie in the open interval: 23 bits, offset by half a step, are exact in fp32 and
+   span ``[2**-24, 1 - 2**-24]``.  (24 bits plus half a step would round the top value to 1.0 in
+   fp32, giving ``E = 0`` and an infinite race score that lets a token of any probability win.)
+   The GPU's approximate log2 can still round ``-log2(u)`` to 0 near ``u = 1``, so the kernels
+   clamp the noise to its exact minimum, ``-log2(1 - 2**-24)``.
 
 Both modes give bit-identical uniforms in torch and Triton; what remains is fp32 (kernel) vs fp64
 (reference) rounding of logs/exps (and ``lg2.approx`` on GPU), which can only flip an outcome on
@@ -156,18 +162,18 @@ _C_VOCAB = 0x9E3779B1  # odd: v -> v * C + key is a bijection
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for int64 tensors holding uint32 values, without int64 overflow."""
-    lo = x & 0xFFFF
-    hi = x >> 16
-    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+    """(x * c) mod 2**32 for int64 tensors holding uint32 values. torch's int64 product wraps modulo
+    2**64 (two's complement, CPU and CUDA alike), so its low 32 bits are the uint32 product; the
+    exhaustive mapping tests check this path bit for bit against the Triton kernels."""
+    return (x * c).bitwise_and_(_M32)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 16)
     x = _mul32(x, _C_MUL1)
-    x = x ^ (x >> 15)
+    x.bitwise_xor_(x >> 15)
     x = _mul32(x, _C_MUL2)
-    return x ^ (x >> 16)
+    return x.bitwise_xor_(x >> 16)
 
 
 def _seed_key(seeds: torch.Tensor) -> torch.Tensor:
@@ -181,8 +187,14 @@ def _stream_key(key: torch.Tensor, pos: torch.Tensor, stream: int) -> torch.Tens
     return _mix32(key ^ _mix32((pos.to(torch.int64) * 2 + stream + _C_POS) & _M32))
 
 
+def uniform_from_bits(x: torch.Tensor) -> torch.Tensor:
+    """uint32 values (held in int64) -> fp32 uniforms in the open interval (0, 1): the top 23 bits
+    plus half a step, so every value is exact in fp32 and the largest is 1 - 2**-24, never 1.0."""
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+
+
 def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int, vocab_size: int) -> torch.Tensor:
-    """Uniforms in (0, 1) (fp32, multiples of 2**-24 offset by 2**-25) of the counter-based generator.
+    """Uniforms in (0, 1) (fp32, multiples of 2**-23 offset by 2**-24) of the counter-based generator.
 
     seeds [B] int64, positions broadcastable to [B, P] (int) -> [B, P, vocab_size] fp32;
     element ``[b, p, v]`` = ``U(seed_b, positions[b, p], stream, v)``, bit-identical to the kernels.
@@ -193,8 +205,7 @@ def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int, 
         positions = positions.reshape(-1, 1) if positions.dim() == 1 else positions.reshape(1, 1)
     skey = _stream_key(_seed_key(seeds), positions.unsqueeze(-1), stream)
     v = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    x = _mix32((_mul32(v, _C_VOCAB) + skey) & _M32)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return uniform_from_bits(_mix32((_mul32(v, _C_VOCAB) + skey) & _M32))
 
 
 def make_randomness(seeds, num_draft_positions: int, vocab_size: int, device=None):
@@ -384,10 +395,29 @@ if _HAS_TRITON:
         return _mix32_tl(key ^ _mix32_tl(p))
 
     @triton.jit
+    def _uniform_from_bits_tl(x):
+        """uint32 -> fp32 uniform in the open interval (0, 1), bit-identical to uniform_from_bits."""
+        return ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+    @triton.jit
     def _uniform_tl(skey, v):
         """Uniform in (0,1) for uint32 stream key and int vocab indices v (any shape)."""
-        x = _mix32_tl(tl.cast(v, tl.uint32) * tl.full((), 0x9E3779B1, tl.uint32) + skey)
-        return ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        return _uniform_from_bits_tl(_mix32_tl(tl.cast(v, tl.uint32) * tl.full((), 0x9E3779B1, tl.uint32) + skey))
+
+    @triton.jit
+    def _fast_log2(x, FAST: tl.constexpr):
+        if FAST:  # MUFU.LG2 (rel. error ~2^-22); libdevice's log2f is a ~10-FMA polynomial
+            return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.log2(x)
+
+    @triton.jit
+    def _race_noise_tl(skey, v, FAST: tl.constexpr):
+        """E = -log2(u), proportional to Exp(1), never 0: clamped to its exact minimum
+        -log2(1 - 2**-24) because an approximate log2 can round it to 0 (or below) near u = 1,
+        and a zero E would let a token of any probability win the race."""
+        return tl.maximum(-_fast_log2(_uniform_tl(skey, v), FAST), 8.599e-08)
 
     @triton.jit
     def _row_stats_kernel(
@@ -482,7 +512,7 @@ if _HAS_TRITON:
                             ex = tl.load(noise_ptr + b.to(tl.int64) * stride_nb + r.to(tl.int64) * stride_nr + idx,
                                          mask=keep, other=1.0).to(tl.float32)
                         else:
-                            ex = -tl.log2(_uniform_tl(skey, idx))
+                            ex = _race_noise_tl(skey, idx, False)
                         s_e = s_e * alpha
                         upd = (e * s_x > s_e * ex) & (idx != excl)
                         s_e = tl.where(upd, e, s_e)
@@ -641,14 +671,6 @@ if _HAS_TRITON:
         tl.store(rec_f_ptr + 2 * b + 1, rec_z)
 
     @triton.jit
-    def _fast_log2(x, FAST: tl.constexpr):
-        if FAST:  # MUFU.LG2 (rel. error ~2^-22); libdevice's log2f is a ~10-FMA polynomial
-            return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                             is_pure=True, pack=1)
-        else:
-            return tl.log2(x)
-
-    @triton.jit
     def _recover_kernel(
         logits_ptr,
         stride_lb,
@@ -722,7 +744,7 @@ if _HAS_TRITON:
                     ex = tl.load(noise_ptr + b.to(tl.int64) * stride_nb + j.to(tl.int64) * stride_nr + idx,
                                  mask=msk, other=1.0).to(tl.float32)
                 else:
-                    ex = -_fast_log2(_uniform_tl(skey, idx), FAST)
+                    ex = _race_noise_tl(skey, idx, FAST)
                 if HAS_DPROBS:
                     q = tl.load(qrow + idx, mask=idx < q_lim, other=0.0).to(tl.float32)
                     res = tl.maximum(p - q, 0.0)

@@ -87,6 +87,17 @@ def test_sampling_reproducible_and_seeded(tiny_target):
     assert a == b and a != c
 
 
+def test_top_k_one_sampling_is_greedy_decoding(tiny_target):
+    """top-k 1 leaves one token to sample, so every seed must reproduce greedy decoding (a noise draw
+    of exactly 1.0 would hand the sample to a filtered-out token)."""
+    ps = prompts(tiny_target, 1)[0]
+    plain = SpeculativeDecoder(tiny_target, None, 0).generate(ps, SamplingParams(max_new_tokens=24)).tokens
+    dec = SpeculativeDecoder(tiny_target, ReplayProposer([ps + plain]), 3)
+    for seed in range(12):
+        sp = SamplingParams(temperature=0.8, top_k=1, max_new_tokens=24, seed=seed)
+        assert dec.generate(ps, sp).tokens == plain, seed
+
+
 def test_ngram_rule():
     ng = NgramProposer(1, 4)
     assert ng.propose([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # longest suffix 1 2 3 -> what followed it
