@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from ..models import MODEL_TYPES
-from ..models.base import CONFIG_NAME, CheckpointError, atomic_write_dir
-from ..draft import DraftModel, check_draft_against_target, is_draft_checkpoint, load_draft
-from ..target import resolve_model_path
+from speculators.models import MODEL_TYPES
+from speculators.models.base import CONFIG_NAME, CheckpointError, atomic_write_dir
+from speculators.draft import DraftModel, check_draft_against_target, is_draft_checkpoint, load_draft
+from speculators.target import resolve_model_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
