@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from speculators.models import MODEL_TYPES
-from speculators.models.base import CONFIG_NAME, CheckpointError, atomic_write_dir
+from speculators.models.base import CONFIG_NAME, CheckpointError, atomic_write_dir, unfinished_writes
 from speculators.draft import DraftModel, check_draft_against_target, is_draft_checkpoint, load_draft
 from speculators.target import resolve_model_path
 
@@ -67,14 +67,16 @@ def check_against_target(model, target: str) -> dict:
 def export(ckpt: str | Path, out: str | Path, target: str | None = None, force: bool = False,
            dtype: str | None = None, allow_pickle: bool = False) -> Path:
     out = Path(out)
-    if out.exists():  # the export replaces `out` whole: never over a training run or its own source
+    # The export replaces `out` whole, with what interrupted writes left beside it (atomic_write_dir):
+    # never over the checkpoint being exported or a training run.
+    if out.exists():
         source = find_checkpoint(ckpt).resolve()
         if out.resolve() in (source, *source.parents):
             raise CheckpointError(f"{out} holds the checkpoint being exported; choose another --out")
-        run = next((d for d, dirs, files in os.walk(out) if "checkpoints" in dirs or "history.jsonl" in files), None)
-        if run is not None:
-            raise CheckpointError(f"{out} holds a training run ({run}), which the export would delete; "
-                                  f"choose another --out")
+    run = next((d for top in (out, *unfinished_writes(out)) for d, dirs, files in os.walk(top)
+                if "checkpoints" in dirs or "history.jsonl" in files), None)
+    if run is not None:
+        raise CheckpointError(f"exporting to {out} would delete the training run in {run}; choose another --out")
     if out.exists() and any(out.iterdir()) and not force:
         raise CheckpointError(f"{out} is not empty; pass --force to replace it")
     if is_draft_checkpoint(find_checkpoint(ckpt)):

@@ -81,10 +81,12 @@ def test_never_exports_over_a_run_or_its_own_checkpoint(tmp_path, mlp_ckpt):
     shutil.copytree(mlp_ckpt, run / "checkpoints" / "step-0000001" / "model")
     (run / "checkpoints" / "latest").write_text("step-0000001")
     (run / "history.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    shutil.copytree(run, tmp_path / ".moved.old-7")  # a run a replacement of `moved` set aside, unfinished
     before = {p: p.read_bytes() if p.is_file() else None for p in sorted(tmp_path.rglob("*"))}
     for ckpt, out, needle in [(run, run, "holds the checkpoint being exported"),
                               (mlp_ckpt, mlp_ckpt, "holds the checkpoint being exported"),
-                              (mlp_ckpt, tmp_path / "runs", "holds a training run")]:
+                              (mlp_ckpt, tmp_path / "runs", "would delete the training run"),
+                              (mlp_ckpt, tmp_path / "moved", "would delete the training run")]:
         one_line_error(run_cli("export", ckpt, "--out", out, "--force"), needle)
     assert {p: p.read_bytes() if p.is_file() else None for p in sorted(tmp_path.rglob("*"))} == before
 

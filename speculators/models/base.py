@@ -96,18 +96,28 @@ def fault_point(stage: str) -> None:
         os._exit(137)
 
 
-def recover_writes(parent: Path, name: str | None = None) -> None:
-    """Finish what interrupted atomic writes left in `parent` (only those to `name`, when given). A
-    replacement killed between its two renames gets its previous version back (the only complete one);
-    every other leftover is a temporary copy or an already replaced version, and is deleted."""
+def _leftovers(parent: Path, name: str | None = None):
+    """(path, match) of each interrupted write's leftover in `parent` (only those to `name`, when given)."""
     parent = Path(parent)
     if not parent.is_dir():
         return
     for entry in sorted(os.listdir(parent)):
         match = _LEFTOVER.fullmatch(entry)
-        if not match or name not in (None, match["name"]):
-            continue
-        leftover, final = parent / entry, parent / match["name"]
+        if match and name in (None, match["name"]):
+            yield parent / entry, match
+
+
+def unfinished_writes(path: Path) -> list[Path]:
+    """What interrupted atomic writes to `path` left beside it, which the next write to it resolves."""
+    return [leftover for leftover, _ in _leftovers(Path(path).parent, Path(path).name)]
+
+
+def recover_writes(parent: Path, name: str | None = None) -> None:
+    """Finish what interrupted atomic writes left in `parent` (only those to `name`, when given). A
+    replacement killed between its two renames gets its previous version back (the only complete one);
+    every other leftover is a temporary copy or an already replaced version, and is deleted."""
+    for leftover, match in list(_leftovers(parent, name)):
+        final = leftover.parent / match["name"]
         if match["kind"] == "old" and not final.exists():
             leftover.rename(final)
         else:
