@@ -33,9 +33,12 @@ import time
 
 import torch
 
-from speculators.kernels.divergence_reference import divergence_reference, per_token_divergence
 import speculators.kernels.fused_linear_divergence as fld
-from speculators.kernels.fused_linear_divergence import fused_linear_divergence
+from speculators.kernels.fused_linear_divergence import (
+    divergence_reference,
+    fused_linear_divergence,
+    per_token_divergence,
+)
 
 VARIANTS = ("naive", "chunked", "ours")
 DEFAULTS = {  # one CPU round of the default shape takes minutes

@@ -46,27 +46,22 @@ CUDA tensors run the Triton kernels: vocab tiles of the logits live only on chip
   run 8; ce runs 4 against 3. That is the price of O(T*D + V*D) memory.
 CPU tensors run a chunked PyTorch path (same API and formulas): chunks of tokens whose full
 [rows, V] logits fit a fixed budget, so nothing is recomputed there.
+divergence_reference is the plain PyTorch reference (same arguments, logits materialized,
+autograd gradients).
 """
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
-import triton
-import triton.language as tl
+import torch.nn.functional as F
 from torch import Tensor
 
-_DIVERGENCES = ("ce", "fkl", "rkl", "jsd", "tvd")
-_CE = tl.constexpr(0)
-_FKL = tl.constexpr(1)
-_RKL = tl.constexpr(2)
-_JSD = tl.constexpr(3)
-_TVD = tl.constexpr(4)
+from speculators.kernels.triton_utils import HAS_TRITON, interpreting, tl, triton, use_triton
 
-# Logit of the columns past the vocab end: exp() of it is exactly 0 and, unlike -inf, the
-# difference of two of them is 0, not NaN, so padded columns add exactly 0 to every sum.
-_PAD = tl.constexpr(-1e30)
+__all__ = ["divergence_reference", "fused_linear_divergence", "per_token_divergence"]
+
+_DIVERGENCES = ("ce", "fkl", "rkl", "jsd", "tvd")
 
 # Teacher source, a kernel constexpr.
 _NO_TEACHER = 0
@@ -97,203 +92,280 @@ _DZ_CHUNK_BYTES = 256 * 2**20
 _INTERPRET_BLOCKS = dict(BLOCK_T=4, BLOCK_V=16, BLOCK_D=8)
 
 
-@triton.jit
-def _logits_tile(x_ptr, w_ptr, rows, cols, row_mask, col_mask, D, inv_temp,
-                 BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 tile (x[rows] @ w[cols].T) / temperature, _PAD past the end of the vocab."""
-    acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(x_ptr + rows[:, None] * D + d[None, :],
-                    mask=row_mask[:, None] & (d[None, :] < D), other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * D + d[None, :],
-                    mask=col_mask[:, None] & (d[None, :] < D), other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        # fp32 accumulation straight from the input dtype: the logits are never rounded to
-        # bf16 (rounding them first costs several percent of gradient accuracy).
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    return tl.where(col_mask[None, :], acc * inv_temp, _PAD)
+# ----------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------
+def per_token_divergence(log_q: Tensor, log_p: Tensor, divergence: str, beta: float = 0.5) -> Tensor:
+    """[..., V] student / teacher log-probabilities -> [...] divergence per token."""
+    if divergence == "fkl":  # KL(p || q); kl_div(input, target) = KL(target || input)
+        return F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)
+    if divergence == "rkl":  # KL(q || p)
+        return F.kl_div(log_p, log_q, reduction="none", log_target=True).sum(-1)
+    if divergence == "tvd":
+        return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    if divergence == "jsd":
+        p, q = log_p.exp(), log_q.exp()
+        log_m = (beta * p + (1 - beta) * q).log()
+        return beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
+    raise ValueError(f"unknown divergence {divergence!r}")
 
 
-@triton.jit
-def _teacher_tile(xt_ptr, wt_ptr, zt_ptr, rows, cols, row_mask, col_mask, Dt,
-                  stride_zt, stride_zv, inv_temp, TEACHER: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Teacher logits tile / temperature (fp32), from hidden states + lm-head or given logits."""
-    if TEACHER == 1:
-        zt = _logits_tile(xt_ptr, wt_ptr, rows, cols, row_mask, col_mask, Dt, inv_temp,
-                          BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION)
-    else:
-        zt = tl.load(zt_ptr + rows[:, None] * stride_zt + cols[None, :] * stride_zv,
-                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-        zt = tl.where(col_mask[None, :], zt.to(tl.float32) * inv_temp, _PAD)
-    return zt
+def _log_probs(logits: Tensor, temperature: float) -> Tensor:
+    """log_softmax(logits / temperature) in at least fp32."""
+    return (logits if logits.dtype == torch.float64 else logits.float()).div(temperature).log_softmax(-1)
 
 
-@triton.jit
-def _log_mix(log_p, log_q, log_beta, log_1mbeta):
-    """log(beta p + (1 - beta) q) without underflow; log_beta = -inf (beta = 0) is fine."""
-    a = log_beta + log_p
-    b = log_1mbeta + log_q
-    mx = tl.maximum(a, b)
-    return mx + tl.log(tl.exp(a - mx) + tl.exp(b - mx))
+def divergence_reference(
+    student_input: Tensor,
+    student_weight: Tensor,
+    teacher_input: Tensor | None = None,
+    teacher_weight: Tensor | None = None,
+    teacher_logits: Tensor | None = None,
+    labels: Tensor | None = None,
+    divergence: str = "fkl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    head_weights: Sequence[float] | Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "sum",
+) -> Tensor:
+    """Plain PyTorch reference of fused_linear_divergence (same arguments): materializes the logits.
+
+    Autograd provides the gradients. Tests run it in float64; benchmarks run it in the input dtype
+    as the naive baseline: logits in the input dtype, upcast to fp32 for the loss, as most trainers
+    do, one head at a time as multi-head trainers usually loop (each head's [T, V]
+    log-probabilities are still kept for backward).
+    """
+    H, T, _ = student_input.shape
+    per_head = []
+    for h in range(H):
+        w = student_weight[h] if student_weight.dim() == 3 else student_weight
+        log_q = _log_probs(student_input[h] @ w.T, temperature)
+        if divergence == "ce":
+            loss = F.nll_loss(log_q, labels[h], ignore_index=ignore_index, reduction="none")
+        else:
+            z_t = teacher_logits[h] if teacher_logits is not None else teacher_input[h] @ teacher_weight.T
+            loss = per_token_divergence(log_q, _log_probs(z_t.detach(), temperature).to(log_q.dtype),
+                                        divergence, beta)
+        valid = labels[h] != ignore_index if labels is not None else torch.ones_like(loss, dtype=torch.bool)
+        loss = torch.where(valid, loss, 0).sum()
+        per_head.append(loss / valid.sum().clamp(min=1) if reduction == "mean" else loss)
+    w = torch.as_tensor(head_weights if head_weights is not None else [1.0] * H,
+                        dtype=per_head[0].dtype, device=student_input.device)
+    return (w * torch.stack(per_head)).sum()
 
 
-@triton.jit
-def _row_stats_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
-                      lse_s_ptr, lse_t_ptr, loss_ptr, sqg_ptr,
-                      T, V, D, Dt, stride_zh, stride_zt, stride_zv,
-                      inv_temp, beta, log_beta, log_1mbeta,
-                      DIV: tl.constexpr, TEACHER: tl.constexpr, PER_HEAD_W: tl.constexpr,
+# ----------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------
+if HAS_TRITON:
+    _CE = tl.constexpr(0)
+    _FKL = tl.constexpr(1)
+    _RKL = tl.constexpr(2)
+    _JSD = tl.constexpr(3)
+    _TVD = tl.constexpr(4)
+
+    # Logit of the columns past the vocab end: exp() of it is exactly 0 and, unlike -inf, the
+    # difference of two of them is 0, not NaN, so padded columns add exactly 0 to every sum.
+    _PAD = tl.constexpr(-1e30)
+
+    @triton.jit
+    def _logits_tile(x_ptr, w_ptr, rows, cols, row_mask, col_mask, D, inv_temp,
+                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """fp32 tile (x[rows] @ w[cols].T) / temperature, _PAD past the end of the vocab."""
+        acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            x = tl.load(x_ptr + rows[:, None] * D + d[None, :],
+                        mask=row_mask[:, None] & (d[None, :] < D), other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * D + d[None, :],
+                        mask=col_mask[:, None] & (d[None, :] < D), other=0.0)
+            if UPCAST:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            # fp32 accumulation straight from the input dtype: the logits are never rounded to
+            # bf16 (rounding them first costs several percent of gradient accuracy).
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        return tl.where(col_mask[None, :], acc * inv_temp, _PAD)
+
+
+    @triton.jit
+    def _teacher_tile(xt_ptr, wt_ptr, zt_ptr, rows, cols, row_mask, col_mask, Dt,
+                      stride_zt, stride_zv, inv_temp, TEACHER: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
                       UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Per row: student/teacher LSE, the loss, and sum(q g) for jsd/tvd. Grid (T blocks, H)."""
-    h = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_mask = rows < T
-    xs_ptr += h * T * D
-    if PER_HEAD_W:
-        ws_ptr += h * V * D
-    xt_ptr += h * T * Dt
-    zt_ptr += h * stride_zh
-    if DIV == _CE:
-        label = tl.load(labels_ptr + h * T + rows, mask=row_mask, other=0)
-
-    # Pass 1: online LSE. acc is the label logit (ce) or sum e^(z - m)(z_t - z_s) kept on the
-    # same running max m as the teacher (fkl) or student (rkl) sum.
-    m_s = tl.full((BLOCK_T,), float("-inf"), tl.float32)
-    m_t = tl.full((BLOCK_T,), float("-inf"), tl.float32)
-    s_s = tl.zeros((BLOCK_T,), tl.float32)
-    s_t = tl.zeros((BLOCK_T,), tl.float32)
-    acc = tl.zeros((BLOCK_T,), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-        col_mask = cols < V
-        zs = _logits_tile(xs_ptr, ws_ptr, rows, cols, row_mask, col_mask, D, inv_temp,
-                          BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION)
-        m_s_new = tl.maximum(m_s, tl.max(zs, 1))
-        alpha_s = tl.exp(m_s - m_s_new)
-        e_s = tl.exp(zs - m_s_new[:, None])
-        s_s = s_s * alpha_s + tl.sum(e_s, 1)
-        m_s = m_s_new
-        if DIV == _CE:
-            acc += tl.sum(tl.where(cols[None, :] == label[:, None], zs, 0.0), 1)
+        """Teacher logits tile / temperature (fp32), from hidden states + lm-head or given logits."""
+        if TEACHER == 1:
+            zt = _logits_tile(xt_ptr, wt_ptr, rows, cols, row_mask, col_mask, Dt, inv_temp,
+                              BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION)
         else:
-            zt = _teacher_tile(xt_ptr, wt_ptr, zt_ptr, rows, cols, row_mask, col_mask, Dt,
-                               stride_zt, stride_zv, inv_temp, TEACHER,
-                               BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION)
-            m_t_new = tl.maximum(m_t, tl.max(zt, 1))
-            alpha_t = tl.exp(m_t - m_t_new)
-            e_t = tl.exp(zt - m_t_new[:, None])
-            s_t = s_t * alpha_t + tl.sum(e_t, 1)
-            m_t = m_t_new
-            if DIV == _FKL:
-                acc = acc * alpha_t + tl.sum(e_t * (zt - zs), 1)
-            if DIV == _RKL:
-                acc = acc * alpha_s + tl.sum(e_s * (zs - zt), 1)
-    lse_s = m_s + tl.log(s_s)
-    tl.store(lse_s_ptr + h * T + rows, lse_s, mask=row_mask)
-    if DIV == _CE:
-        loss = lse_s - acc
-    else:
-        lse_t = m_t + tl.log(s_t)
-        tl.store(lse_t_ptr + h * T + rows, lse_t, mask=row_mask)
-    if DIV == _FKL:
-        loss = acc / s_t + lse_s - lse_t
-    if DIV == _RKL:
-        loss = acc / s_s + lse_t - lse_s
-    if DIV >= _JSD:
-        # Pass 2: |p - q| and log m need both normalized distributions elementwise.
-        loss = tl.zeros((BLOCK_T,), tl.float32)
-        sqg = tl.zeros((BLOCK_T,), tl.float32)
+            zt = tl.load(zt_ptr + rows[:, None] * stride_zt + cols[None, :] * stride_zv,
+                         mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+            zt = tl.where(col_mask[None, :], zt.to(tl.float32) * inv_temp, _PAD)
+        return zt
+
+
+    @triton.jit
+    def _log_mix(log_p, log_q, log_beta, log_1mbeta):
+        """log(beta p + (1 - beta) q) without underflow; log_beta = -inf (beta = 0) is fine."""
+        a = log_beta + log_p
+        b = log_1mbeta + log_q
+        mx = tl.maximum(a, b)
+        return mx + tl.log(tl.exp(a - mx) + tl.exp(b - mx))
+
+
+    @triton.jit
+    def _row_stats_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
+                          lse_s_ptr, lse_t_ptr, loss_ptr, sqg_ptr,
+                          T, V, D, Dt, stride_zh, stride_zt, stride_zv,
+                          inv_temp, beta, log_beta, log_1mbeta,
+                          DIV: tl.constexpr, TEACHER: tl.constexpr, PER_HEAD_W: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                          UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """Per row: student/teacher LSE, the loss, and sum(q g) for jsd/tvd. Grid (T blocks, H)."""
+        h = tl.program_id(1).to(tl.int64)
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_mask = rows < T
+        xs_ptr += h * T * D
+        if PER_HEAD_W:
+            ws_ptr += h * V * D
+        xt_ptr += h * T * Dt
+        zt_ptr += h * stride_zh
+        if DIV == _CE:
+            label = tl.load(labels_ptr + h * T + rows, mask=row_mask, other=0)
+
+        # Pass 1: online LSE. acc is the label logit (ce) or sum e^(z - m)(z_t - z_s) kept on the
+        # same running max m as the teacher (fkl) or student (rkl) sum.
+        m_s = tl.full((BLOCK_T,), float("-inf"), tl.float32)
+        m_t = tl.full((BLOCK_T,), float("-inf"), tl.float32)
+        s_s = tl.zeros((BLOCK_T,), tl.float32)
+        s_t = tl.zeros((BLOCK_T,), tl.float32)
+        acc = tl.zeros((BLOCK_T,), tl.float32)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
             col_mask = cols < V
-            log_q = _logits_tile(xs_ptr, ws_ptr, rows, cols, row_mask, col_mask, D, inv_temp,
-                                 BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION) - lse_s[:, None]
+            zs = _logits_tile(xs_ptr, ws_ptr, rows, cols, row_mask, col_mask, D, inv_temp,
+                              BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION)
+            m_s_new = tl.maximum(m_s, tl.max(zs, 1))
+            alpha_s = tl.exp(m_s - m_s_new)
+            e_s = tl.exp(zs - m_s_new[:, None])
+            s_s = s_s * alpha_s + tl.sum(e_s, 1)
+            m_s = m_s_new
+            if DIV == _CE:
+                acc += tl.sum(tl.where(cols[None, :] == label[:, None], zs, 0.0), 1)
+            else:
+                zt = _teacher_tile(xt_ptr, wt_ptr, zt_ptr, rows, cols, row_mask, col_mask, Dt,
+                                   stride_zt, stride_zv, inv_temp, TEACHER,
+                                   BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION)
+                m_t_new = tl.maximum(m_t, tl.max(zt, 1))
+                alpha_t = tl.exp(m_t - m_t_new)
+                e_t = tl.exp(zt - m_t_new[:, None])
+                s_t = s_t * alpha_t + tl.sum(e_t, 1)
+                m_t = m_t_new
+                if DIV == _FKL:
+                    acc = acc * alpha_t + tl.sum(e_t * (zt - zs), 1)
+                if DIV == _RKL:
+                    acc = acc * alpha_s + tl.sum(e_s * (zs - zt), 1)
+        lse_s = m_s + tl.log(s_s)
+        tl.store(lse_s_ptr + h * T + rows, lse_s, mask=row_mask)
+        if DIV == _CE:
+            loss = lse_s - acc
+        else:
+            lse_t = m_t + tl.log(s_t)
+            tl.store(lse_t_ptr + h * T + rows, lse_t, mask=row_mask)
+        if DIV == _FKL:
+            loss = acc / s_t + lse_s - lse_t
+        if DIV == _RKL:
+            loss = acc / s_s + lse_t - lse_s
+        if DIV >= _JSD:
+            # Pass 2: |p - q| and log m need both normalized distributions elementwise.
+            loss = tl.zeros((BLOCK_T,), tl.float32)
+            sqg = tl.zeros((BLOCK_T,), tl.float32)
+            for v0 in range(0, V, BLOCK_V):
+                cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+                col_mask = cols < V
+                log_q = _logits_tile(xs_ptr, ws_ptr, rows, cols, row_mask, col_mask, D, inv_temp,
+                                     BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION) - lse_s[:, None]
+                log_p = _teacher_tile(xt_ptr, wt_ptr, zt_ptr, rows, cols, row_mask, col_mask, Dt,
+                                      stride_zt, stride_zv, inv_temp, TEACHER,
+                                      BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION) - lse_t[:, None]
+                q = tl.exp(log_q)
+                p = tl.exp(log_p)
+                if DIV == _TVD:
+                    term = 0.5 * tl.abs(p - q)
+                    g = tl.where(q > p, 0.5, tl.where(q < p, -0.5, 0.0))
+                else:
+                    log_m = _log_mix(log_p, log_q, log_beta, log_1mbeta)
+                    term = beta * p * (log_p - log_m) + (1.0 - beta) * q * (log_q - log_m)
+                    g = (1.0 - beta) * (log_q - log_m)
+                loss += tl.sum(term, 1)
+                sqg += tl.sum(q * g, 1)
+            tl.store(sqg_ptr + h * T + rows, sqg, mask=row_mask)
+        tl.store(loss_ptr + h * T + rows, loss, mask=row_mask)
+
+
+    @triton.jit
+    def _dz_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
+                   lse_s_ptr, lse_t_ptr, loss_ptr, sqg_ptr, scale_ptr, dz_ptr,
+                   T, V, D, Dt, stride_zh, stride_zt, stride_zv, v_lo, v_hi,
+                   inv_temp, beta, log_beta, log_1mbeta,
+                   DIV: tl.constexpr, TEACHER: tl.constexpr, PER_HEAD_W: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """dz = d loss / d logits for one (row block, vocab tile) of one head, vocab columns
+        [v_lo, v_hi), written into a [H, T, v_hi - v_lo] buffer. Grid (T blocks * vocab tiles of
+        the range, H)."""
+        pid = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        num_v = tl.cdiv(v_hi - v_lo, BLOCK_V)
+        rows = (pid // num_v).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = v_lo + (pid % num_v).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_mask = rows < T
+        col_mask = cols < v_hi
+        n_cols = v_hi - v_lo
+        dz_ptrs = dz_ptr + (h * T + rows[:, None]) * n_cols + (cols[None, :] - v_lo)
+        dz_mask = row_mask[:, None] & col_mask[None, :]
+        # Row weight: head weight * valid / n_valid (mean) / temperature; 0 for ignored tokens.
+        scale = tl.load(scale_ptr + h * T + rows, mask=row_mask, other=0.0)
+        if tl.max(tl.abs(scale), 0) == 0.0:  # every row ignored (padding, zero head weight)
+            tl.store(dz_ptrs, tl.zeros((BLOCK_T, BLOCK_V), tl.float32).to(dz_ptr.dtype.element_ty), mask=dz_mask)
+            return
+        xs_ptr += h * T * D
+        if PER_HEAD_W:
+            ws_ptr += h * V * D
+        xt_ptr += h * T * Dt
+        zt_ptr += h * stride_zh
+
+        lse_s = tl.load(lse_s_ptr + h * T + rows, mask=row_mask, other=0.0)
+        log_q = _logits_tile(xs_ptr, ws_ptr, rows, cols, row_mask, col_mask, D, inv_temp,
+                             BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION) - lse_s[:, None]
+        q = tl.exp(log_q)
+        if DIV == _CE:
+            label = tl.load(labels_ptr + h * T + rows, mask=row_mask, other=0)
+            dz = q - tl.where(cols[None, :] == label[:, None], 1.0, 0.0)
+        else:
+            lse_t = tl.load(lse_t_ptr + h * T + rows, mask=row_mask, other=0.0)
             log_p = _teacher_tile(xt_ptr, wt_ptr, zt_ptr, rows, cols, row_mask, col_mask, Dt,
                                   stride_zt, stride_zv, inv_temp, TEACHER,
                                   BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION) - lse_t[:, None]
-            q = tl.exp(log_q)
-            p = tl.exp(log_p)
-            if DIV == _TVD:
-                term = 0.5 * tl.abs(p - q)
-                g = tl.where(q > p, 0.5, tl.where(q < p, -0.5, 0.0))
-            else:
-                log_m = _log_mix(log_p, log_q, log_beta, log_1mbeta)
-                term = beta * p * (log_p - log_m) + (1.0 - beta) * q * (log_q - log_m)
-                g = (1.0 - beta) * (log_q - log_m)
-            loss += tl.sum(term, 1)
-            sqg += tl.sum(q * g, 1)
-        tl.store(sqg_ptr + h * T + rows, sqg, mask=row_mask)
-    tl.store(loss_ptr + h * T + rows, loss, mask=row_mask)
-
-
-@triton.jit
-def _dz_kernel(xs_ptr, ws_ptr, xt_ptr, wt_ptr, zt_ptr, labels_ptr,
-               lse_s_ptr, lse_t_ptr, loss_ptr, sqg_ptr, scale_ptr, dz_ptr,
-               T, V, D, Dt, stride_zh, stride_zt, stride_zv, v_lo, v_hi,
-               inv_temp, beta, log_beta, log_1mbeta,
-               DIV: tl.constexpr, TEACHER: tl.constexpr, PER_HEAD_W: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """dz = d loss / d logits for one (row block, vocab tile) of one head, vocab columns
-    [v_lo, v_hi), written into a [H, T, v_hi - v_lo] buffer. Grid (T blocks * vocab tiles of
-    the range, H)."""
-    pid = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    num_v = tl.cdiv(v_hi - v_lo, BLOCK_V)
-    rows = (pid // num_v).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = v_lo + (pid % num_v).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_mask = rows < T
-    col_mask = cols < v_hi
-    n_cols = v_hi - v_lo
-    dz_ptrs = dz_ptr + (h * T + rows[:, None]) * n_cols + (cols[None, :] - v_lo)
-    dz_mask = row_mask[:, None] & col_mask[None, :]
-    # Row weight: head weight * valid / n_valid (mean) / temperature; 0 for ignored tokens.
-    scale = tl.load(scale_ptr + h * T + rows, mask=row_mask, other=0.0)
-    if tl.max(tl.abs(scale), 0) == 0.0:  # every row ignored (padding, zero head weight)
-        tl.store(dz_ptrs, tl.zeros((BLOCK_T, BLOCK_V), tl.float32).to(dz_ptr.dtype.element_ty), mask=dz_mask)
-        return
-    xs_ptr += h * T * D
-    if PER_HEAD_W:
-        ws_ptr += h * V * D
-    xt_ptr += h * T * Dt
-    zt_ptr += h * stride_zh
-
-    lse_s = tl.load(lse_s_ptr + h * T + rows, mask=row_mask, other=0.0)
-    log_q = _logits_tile(xs_ptr, ws_ptr, rows, cols, row_mask, col_mask, D, inv_temp,
-                         BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION) - lse_s[:, None]
-    q = tl.exp(log_q)
-    if DIV == _CE:
-        label = tl.load(labels_ptr + h * T + rows, mask=row_mask, other=0)
-        dz = q - tl.where(cols[None, :] == label[:, None], 1.0, 0.0)
-    else:
-        lse_t = tl.load(lse_t_ptr + h * T + rows, mask=row_mask, other=0.0)
-        log_p = _teacher_tile(xt_ptr, wt_ptr, zt_ptr, rows, cols, row_mask, col_mask, Dt,
-                              stride_zt, stride_zv, inv_temp, TEACHER,
-                              BLOCK_T, BLOCK_V, BLOCK_D, UPCAST, PRECISION) - lse_t[:, None]
-        if DIV == _FKL:
-            dz = q - tl.exp(log_p)
-        if DIV == _RKL:
-            loss = tl.load(loss_ptr + h * T + rows, mask=row_mask, other=0.0)
-            dz = q * (log_q - log_p - loss[:, None])
-        if DIV >= _JSD:
-            sqg = tl.load(sqg_ptr + h * T + rows, mask=row_mask, other=0.0)
-            if DIV == _TVD:
-                p = tl.exp(log_p)
-                g = tl.where(q > p, 0.5, tl.where(q < p, -0.5, 0.0))
-            else:
-                g = (1.0 - beta) * (log_q - _log_mix(log_p, log_q, log_beta, log_1mbeta))
-            dz = q * (g - sqg[:, None])
-    dz = dz * scale[:, None]  # q = p = 0 on padded columns, so dz is 0 there
-    # The gradient GEMMs' operand: dz in the input dtype (as any bf16 backward does); fp32
-    # for fp32 and fp16 inputs (fp16 dz would underflow).
-    tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=dz_mask)
+            if DIV == _FKL:
+                dz = q - tl.exp(log_p)
+            if DIV == _RKL:
+                loss = tl.load(loss_ptr + h * T + rows, mask=row_mask, other=0.0)
+                dz = q * (log_q - log_p - loss[:, None])
+            if DIV >= _JSD:
+                sqg = tl.load(sqg_ptr + h * T + rows, mask=row_mask, other=0.0)
+                if DIV == _TVD:
+                    p = tl.exp(log_p)
+                    g = tl.where(q > p, 0.5, tl.where(q < p, -0.5, 0.0))
+                else:
+                    g = (1.0 - beta) * (log_q - _log_mix(log_p, log_q, log_beta, log_1mbeta))
+                dz = q * (g - sqg[:, None])
+        dz = dz * scale[:, None]  # q = p = 0 on padded columns, so dz is 0 there
+        # The gradient GEMMs' operand: dz in the input dtype (as any bf16 backward does); fp32
+        # for fp32 and fp16 inputs (fp16 dz would underflow).
+        tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=dz_mask)
 
 
 def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
@@ -312,7 +384,7 @@ def _triton_forward(xs, ws, teacher, zt, labels, scale, div, beta, temperature, 
     xt, wt = teacher if teacher is not None else (xs, ws)  # dummies when unused
     Dt = xt.shape[-1]
     zt_arg, z_strides = (zt, zt.stride()) if zt is not None else (xs, (0, 0, 0))
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     blocks = _INTERPRET_BLOCKS if interpret else _GPU_BLOCKS
     launch = dict(blocks, **_GPU_LAUNCH) if not interpret else blocks
     common = dict(
@@ -367,6 +439,9 @@ def _triton_forward(xs, ws, teacher, zt, labels, scale, div, beta, temperature, 
     return stats[2], gx, gw
 
 
+# ----------------------------------------------------------------------------------------
+# Chunked PyTorch path (CPU)
+# ----------------------------------------------------------------------------------------
 def _log_softmax_(z: Tensor) -> Tensor:
     return z.sub_(torch.logsumexp(z, -1, keepdim=True))
 
@@ -439,6 +514,9 @@ def _torch_forward(xs, ws, teacher, zt, labels, scale, div, beta, temperature, n
     return loss, gx, gw
 
 
+# ----------------------------------------------------------------------------------------
+# The op
+# ----------------------------------------------------------------------------------------
 def _check(student_input, student_weight, teacher_input, teacher_weight, teacher_logits,
            labels, divergence, beta, temperature, head_weights, reduction):
     """Raise ValueError (one line) for inconsistent arguments."""
@@ -561,7 +639,8 @@ def fused_linear_divergence(
         head_weights: [H] loss weights, default 1. They get no gradient.
         ignore_index: label value of skipped positions.
         reduction: "sum" (sum_h w_h sum_t) or "mean" (sum_h w_h mean over valid t).
-        _impl: "triton" or "torch"; default Triton for CUDA tensors, PyTorch otherwise.
+        _impl: "triton" or "torch"; default Triton for CUDA tensors (where triton is installed),
+            the chunked PyTorch path otherwise.
 
     Returns:
         Scalar fp32 loss. Gradients flow to student_input and student_weight only; the
@@ -577,24 +656,8 @@ def fused_linear_divergence(
     if reduction == "mean":
         w = w / valid.sum(1).clamp(min=1)
     token_weight = valid * w[:, None]
-    impl = _impl or ("triton" if student_input.is_cuda else "torch")
+    impl = "triton" if use_triton(student_input, _impl, other="torch") else "torch"
     return FusedLinearDivergenceFunction.apply(
         student_input, student_weight, teacher_input, teacher_weight, teacher_logits,
         labels, token_weight, divergence, float(beta), float(temperature), impl)
 
-
-class FusedLinearDivergence(torch.nn.Module):
-    """Module form of fused_linear_divergence with the loss settings fixed at construction."""
-
-    def __init__(self, divergence: str = "fkl", beta: float = 0.5, temperature: float = 1.0,
-                 ignore_index: int = -100, reduction: str = "sum"):
-        super().__init__()
-        self.divergence, self.beta, self.temperature = divergence, beta, temperature
-        self.ignore_index, self.reduction = ignore_index, reduction
-
-    def forward(self, student_input, student_weight, teacher_input=None, teacher_weight=None,
-                teacher_logits=None, labels=None, head_weights=None):
-        return fused_linear_divergence(
-            student_input, student_weight, teacher_input, teacher_weight, teacher_logits,
-            labels, divergence=self.divergence, beta=self.beta, temperature=self.temperature,
-            head_weights=head_weights, ignore_index=self.ignore_index, reduction=self.reduction)

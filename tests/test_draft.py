@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from speculators.config import ConfigError, Stage, TrainConfig, load_config
 from speculators.draft import build_draft, check_vocab
 from speculators.engine import DraftModelProposer, SamplingParams, SpeculativeDecoder
-from speculators.kernels.divergence_reference import per_token_divergence
+from speculators.kernels.fused_linear_divergence import per_token_divergence
 from speculators.target import Target
 from speculators.trainer import Trainer, onpolicy_seed, speculator_loss, takes_onpolicy_batch
 
