@@ -5,7 +5,7 @@
     python benchmarks/bench_inference_kernels.py --device cuda   # GPU: the real shapes (< 5 min on one GPU)
 
 Verification (CUDA shapes: B=256, K=4, V=128256, fp32 logits):
-  * ``fused``  — :func:`speculators.kernels.verification.rejection_sample` (Triton).
+  * ``fused``  — :func:`speculators.kernels.chain_verification.rejection_sample` (Triton).
   * ``vllm-style`` — our own re-implementation of the structure of vLLM's Triton rejection
     sampler: probabilities from a separate torch softmax pass, ``argmax`` in torch for greedy
     requests, one program per request for the greedy and the random accept kernels, recovered
@@ -58,7 +58,8 @@ except Exception:  # pragma: no cover
     HAS_TRITON = False
 
 from speculators.kernels import proposal as P  # noqa: E402
-from speculators.kernels import verification as Vf  # noqa: E402
+from speculators.kernels import chain_verification as Vf  # noqa: E402
+from speculators.kernels import row_stats as RS  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------
@@ -323,10 +324,10 @@ def bench_verify(dev, cuda, interp, timer, graph_timer, with_ref):
         tun = Table("verification stats kernel configs (stochastic one-hot)")
         for bv, nw in [(2048, 8), (4096, 8), (4096, 16), (8192, 16)]:
             for pps in (2, 4, 8):
-                Vf.VERIFY_CONFIG.update(block_v=bv, num_warps=nw, programs_per_sm=pps)
+                RS.ROW_STATS_CONFIG.update(block_v=bv, num_warps=nw, programs_per_sm=pps)
                 ms = timer(lambda: Vf.rejection_sample_triton(logits, drafts, nd, temperature=temp, seeds=seeds))
                 tun.add(f"block_v={bv} warps={nw} pps={pps}", "fused", ms, lbytes, lbytes / bw * 1e3)
-        Vf.VERIFY_CONFIG.update(block_v=4096, num_warps=16, programs_per_sm=4)
+        RS.ROW_STATS_CONFIG.update(block_v=4096, num_warps=16, programs_per_sm=4)
         tun.show()
 
 

@@ -1,6 +1,6 @@
 """Candidate trees for speculative decoding (pure PyTorch).
 
-Conventions shared with :func:`speculators.kernels.verification.tree_verify`:
+Conventions shared with :func:`speculators.kernels.tree_verification.tree_verify`:
 
 * node 0 is the root — the last accepted token, whose KV entry is written by the same target
   forward that verifies the tree;

@@ -19,7 +19,8 @@ TRITON_ENTRY_POINTS = {
     "speculators.kernels.fused_linear_divergence": ["_triton_forward"],
     "speculators.kernels.proposal": ["lm_head_topk_triton", "medusa_propose_triton",
                                      "mlp_speculator_propose_triton", "mlp_speculator_propose_topk_triton"],
-    "speculators.kernels.verification": ["rejection_sample_triton", "tree_verify_triton"],
+    "speculators.kernels.chain_verification": ["rejection_sample_triton"],
+    "speculators.kernels.tree_verification": ["tree_verify_triton"],
 }
 
 

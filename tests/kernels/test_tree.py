@@ -19,7 +19,7 @@ from speculators.kernels.tree import (
     tree_depth,
     tree_position_ids,
 )
-from speculators.kernels.verification import tree_verify_reference
+from speculators.kernels.tree_verification import tree_verify_reference
 
 CHOICES = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [1, 1], [0, 0, 1]]
 

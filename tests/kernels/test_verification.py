@@ -7,19 +7,14 @@ import math
 import pytest
 import torch
 
-from speculators.kernels.verification import (
-    compute_filter_thresholds,
-    counter_uniforms,
-    make_randomness,
+from speculators.kernels import sampling as sm
+from speculators.kernels.chain_verification import (
     rejection_sample,
     rejection_sample_reference,
     rejection_sample_triton,
-    tree_verify,
-    tree_verify_reference,
-    tree_verify_triton,
-    uniform_from_bits,
 )
-from speculators.kernels import verification as vm
+from speculators.kernels.sampling import compute_filter_thresholds, counter_uniforms, uniform_from_bits
+from speculators.kernels.tree_verification import tree_verify, tree_verify_reference, tree_verify_triton
 
 try:
     import triton  # noqa: F401
@@ -136,19 +131,6 @@ def test_stochastic_seeded_matches_reference(sampling, with_dprobs):
         _assert_same(tri, ref)
 
 
-@needs_triton
-@pytest.mark.parametrize("with_dprobs", [False, True])
-def test_stochastic_explicit_randomness_matches_reference(with_dprobs):
-    B, K, V = 3, 4, 45
-    logits, drafts, nd = _case(B=B, K=K, V=V, seed=3)
-    dp = torch.softmax(torch.randn(B, K, V), -1) if with_dprobs else None
-    u, e = make_randomness([5, 6, 7], K, V)
-    assert u.shape == (B, K) and e.shape == (B, K + 1, V)
-    kw = dict(temperature=torch.tensor([0.8, 1.0, 1.5]), uniforms=u, exponentials=e, top_k=torch.tensor([0, 7, 0]))
-    _assert_same(rejection_sample_triton(logits, drafts, nd, dp, _splits=2, **kw),
-                 rejection_sample_reference(logits, drafts, nd, dp, **kw))
-
-
 def test_seeding_reproducible_and_batch_independent():
     B, K, V = 4, 3, 50
     logits, drafts, nd = _case(B=B, K=K, V=V, seed=4)
@@ -159,9 +141,6 @@ def test_seeding_reproducible_and_batch_independent():
     perm = torch.tensor([2, 0, 3, 1])
     sub = rejection_sample_reference(logits[perm], drafts[perm], nd[perm], temperature=temp[perm], seeds=seeds[perm])
     assert torch.equal(sub[0], full[0][perm]) and torch.equal(sub[1], full[1][perm])
-    u1, e1 = make_randomness([9, 8], K, V)
-    u2, e2 = make_randomness([8], K, V)
-    assert torch.equal(u1[1], u2[0]) and torch.equal(e1[1], e2[0])
 
 
 def test_counter_uniforms_properties():
@@ -198,8 +177,8 @@ if HAS_TRITON:
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < N
         x = tl.load(x_ptr + offs, mask=m, other=0).to(tl.uint32)
-        tl.store(u_ptr + offs, vm._uniform_from_bits_tl(x), mask=m)
-        tl.store(e_ptr + offs, tl.maximum(-vm._fast_log2(vm._uniform_from_bits_tl(x), False), 8.599e-08), mask=m)
+        tl.store(u_ptr + offs, sm.uniform_from_bits_tl(x), mask=m)
+        tl.store(e_ptr + offs, tl.maximum(-sm.fast_log2(sm.uniform_from_bits_tl(x), False), 8.599e-08), mask=m)
 
 
 @needs_triton
@@ -219,8 +198,8 @@ _NEAR_ONE_DRAWS = [(57344, 297), (62033, 1180), (65496, 1715), (65631, 625), (73
 
 
 def _raw_bits(seeds: torch.Tensor, V: int) -> torch.Tensor:
-    skey = vm._stream_key(vm._seed_key(seeds.view(-1, 1, 1)), torch.zeros(len(seeds), 1, 1, dtype=torch.int64), 0)
-    return vm._mix32((vm._mul32(torch.arange(V), vm._C_VOCAB) + skey) & vm._M32)[:, 0]
+    skey = sm._stream_key(sm._seed_key(seeds.view(-1, 1, 1)), torch.zeros(len(seeds), 1, 1, dtype=torch.int64), 0)
+    return sm._mix32((sm._mul32(torch.arange(V), sm._C_VOCAB) + skey) & sm._M32)[:, 0]
 
 
 @pytest.mark.parametrize("top_k", [None, 4])
@@ -503,28 +482,25 @@ f32, i64, i32 = torch.empty(1), torch.empty(1, dtype=torch.int64), torch.empty(1
 '''
 
 _AOT_VERIFY = _AOT_HELPER + r'''
-import speculators.kernels.verification as vm
+import speculators.kernels.chain_verification as cv
+import speculators.kernels.row_stats as rs
 L = dict(logits_ptr=f32, stride_lb=5 * 128256, stride_lr=128256)
-stats = dict(L, row_limit_ptr=i64, temp_ptr=f32, thr_ptr=f32, excl_ptr=i64, stride_eb=4, noise_ptr=f32,
-             stride_nb=5 * 128256, stride_nr=128256, seed_ptr=i64, part_f_ptr=f32, part_i_ptr=i32, P=1280, R=5,
-             V=128256, S=2, CHUNK=65536)
-for c in [dict(HAS_TEMP=False, HAS_THR=False, HAS_EXCL=False, NOISE=0, ALWAYS_ARGMAX=False, NEED_ENTROPY=False),
-          dict(HAS_TEMP=True, HAS_THR=True, HAS_EXCL=False, NOISE=0, ALWAYS_ARGMAX=False, NEED_ENTROPY=False),
-          dict(HAS_TEMP=True, HAS_THR=False, HAS_EXCL=False, NOISE=2, ALWAYS_ARGMAX=True, NEED_ENTROPY=True)]:
-    aot(vm._row_stats_kernel, stats, dict(c, BLOCK_V=vm.VERIFY_CONFIG["block_v"]), vm.VERIFY_CONFIG["num_warps"])
+stats = dict(L, row_limit_ptr=i64, temp_ptr=f32, thr_ptr=f32, seed_ptr=i64, part_f_ptr=f32, part_i_ptr=i32, P=1280,
+             R=5, V=128256, S=2, CHUNK=65536)
+for c in [dict(HAS_TEMP=False, HAS_THR=False, RACE=False, ALWAYS_ARGMAX=False, NEED_ENTROPY=False),
+          dict(HAS_TEMP=True, HAS_THR=True, RACE=False, ALWAYS_ARGMAX=False, NEED_ENTROPY=False),
+          dict(HAS_TEMP=True, HAS_THR=False, RACE=True, ALWAYS_ARGMAX=True, NEED_ENTROPY=True)]:
+    aot(rs._row_stats_kernel, stats, dict(c, BLOCK_V=rs.ROW_STATS_CONFIG["block_v"]), rs.ROW_STATS_CONFIG["num_warps"])
 fin = dict(L, draft_ptr=i64, stride_db=4, nd_ptr=i64, temp_ptr=f32, thr_ptr=f32, dprob_ptr=f32, stride_qb=4 * 128256,
-           stride_qr=128256, unif_ptr=f32, stride_ub=4, seed_ptr=i64, part_f_ptr=f32, part_i_ptr=i32, out_ptr=i64,
-           nacc_ptr=i64, rec_i_ptr=i32, rec_f_ptr=f32, P=1280, K=4, S=2)
-for c in [dict(HAS_TEMP=False, HAS_THR=False, HAS_DPROBS=False, U_MODE=0),
-          dict(HAS_TEMP=True, HAS_THR=True, HAS_DPROBS=True, U_MODE=2)]:
-    aot(vm._chain_finalize_kernel, fin, dict(c, BLOCK_S=2), 1)
+           stride_qr=128256, seed_ptr=i64, part_f_ptr=f32, part_i_ptr=i32, out_ptr=i64, nacc_ptr=i64, rec_i_ptr=i32,
+           rec_f_ptr=f32, P=1280, K=4, S=2)
+for c in [dict(HAS_TEMP=False, HAS_THR=False, HAS_DPROBS=False), dict(HAS_TEMP=True, HAS_THR=True, HAS_DPROBS=True)]:
+    aot(cv._chain_finalize_kernel, fin, dict(c, BLOCK_S=2), 1)
 rec = dict(L, dprob_ptr=f32, stride_qb=4 * 128256, stride_qr=128256, nd_ptr=i64, temp_ptr=f32, thr_ptr=f32,
-           noise_ptr=f32, stride_nb=5 * 128256, stride_nr=128256, seed_ptr=i64, rec_i_ptr=i32, rec_f_ptr=f32,
-           part_f_ptr=f32, part_i_ptr=i32, K=4, V=128256, S=3, CHUNK=43008)
-for c in [dict(HAS_THR=False, HAS_DPROBS=False, NOISE=2), dict(HAS_THR=True, HAS_DPROBS=True, NOISE=1)]:
-    aot(vm._recover_kernel, rec, dict(c, FAST=True, BLOCK_V=vm.VERIFY_CONFIG["recover_block_v"]),
-        vm.VERIFY_CONFIG["recover_warps"])
-aot(vm._recover_decode_kernel, dict(rec_i_ptr=i32, part_f_ptr=f32, part_i_ptr=i32, out_ptr=i64, K=4, S=3),
+           seed_ptr=i64, rec_i_ptr=i32, rec_f_ptr=f32, part_f_ptr=f32, part_i_ptr=i32, K=4, V=128256, S=3, CHUNK=43008)
+for c in [dict(HAS_THR=False, HAS_DPROBS=False), dict(HAS_THR=True, HAS_DPROBS=True)]:
+    aot(cv._recover_kernel, rec, dict(c, FAST=True, BLOCK_V=cv.RECOVER_CONFIG["block_v"]), cv.RECOVER_CONFIG["num_warps"])
+aot(cv._recover_decode_kernel, dict(rec_i_ptr=i32, part_f_ptr=f32, part_i_ptr=i32, out_ptr=i64, K=4, S=3),
     dict(HAS_DPROBS=True, BLOCK_S=4), 1)
 print("AOT-OK")
 '''
