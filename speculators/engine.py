@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .kernels.tree import compact_accepted_kv_
-from .kernels.verification import rejection_sample, tree_verify
+from speculators.kernels.chain_verification import rejection_sample
+from speculators.kernels.tree import compact_accepted_kv_
+from speculators.kernels.tree_verification import tree_verify
+
 from .target import Target
 
 
