@@ -16,7 +16,7 @@ Verification (CUDA shapes: B=256, K=4, V=128256, fp32 logits):
     measured in the same run; ``%floor`` = floor time / kernel time.
 Proposal (CUDA shapes: B=64, bf16; Llama-3-8B-like D=4096 V=128256, SmolLM2 D=576 V=49152, 4 heads):
   * ``fused`` Triton ops vs ``eager`` PyTorch heads + argmax (what vLLM's Medusa / MLP speculator
-    modules do), plus the lm-head + top-k op alone.  ``floor`` = weights read once.
+    modules do).  ``floor`` = weights read once.
 On CUDA both are timed with ``triton.testing.do_bench`` (L2 flushed between reps) and, where the
 op can be captured, as CUDA-graph replays (launch overhead removed — what a serving engine sees).
 On CPU the ops dispatch to the torch references; the timings only show that the code runs.
@@ -57,8 +57,9 @@ try:  # noqa: E402
 except Exception:  # pragma: no cover
     HAS_TRITON = False
 
-from speculators.kernels import proposal as P  # noqa: E402
 from speculators.kernels import chain_verification as Vf  # noqa: E402
+from speculators.kernels import medusa_proposal as Med  # noqa: E402
+from speculators.kernels import mlp_proposal as Mlp  # noqa: E402
 from speculators.kernels import row_stats as RS  # noqa: E402
 
 
@@ -179,7 +180,7 @@ def eager_medusa(hidden, bw, bb, lm):
 
 def eager_mlp(hidden, tokens, emb, proj, lw, lb, head):
     n = len(head)
-    _, _, es = P.mlp_speculator_scales(n, proj[0].shape[0])
+    _, _, es = Mlp.mlp_speculator_scales(n, proj[0].shape[0])
     state, tok, out = hidden, tokens, []
     for i in range(n):
         s = F.linear(state, proj[i])
@@ -349,41 +350,27 @@ def bench_propose(dev, cuda, interp, timer, graph_timer, with_ref):
         hidden = r(B, D)
         tab = Table(f"proposal {name}: B={B} D={D} V={V} heads={H} {str(dt).replace('torch.', '')}")
         el = torch.empty((), dtype=dt).element_size()
-        # lm head + top-k alone
-        W = r(V, D) / D**0.5
-        wbytes = V * D * el
-        bw = _measure_copy_bw(wbytes, dev, timer)
-        floor = wbytes / bw * 1e3
-        base = timer(lambda: F.linear(hidden, W).argmax(-1))
-        tab.add("lm_head argmax", "eager linear+argmax", base, wbytes, floor)
-        base8 = timer(lambda: torch.topk(F.linear(hidden, W).float(), 8))
-        tab.add("lm_head top-8", "eager linear+topk", base8, wbytes, floor)
-        if run_triton:
-            tab.add("lm_head argmax", "fused (triton)", timer(lambda: P.lm_head_topk_triton(hidden, W, 1)), wbytes,
-                    floor, base)
-            tab.add("lm_head top-8", "fused (triton)", timer(lambda: P.lm_head_topk_triton(hidden, W, 8)), wbytes,
-                    floor, base8)
-        del W
         # Medusa: H heads, 1 ResBlock, per-head lm heads
         bwt, bb, lm = r(H, 1, D, D) / D**0.5, r(H, 1, D) * 0.1, r(H, V, D) / D**0.5
         mbytes = (H * D * D + H * V * D) * el
+        bw = _measure_copy_bw(mbytes, dev, timer)
         floor = mbytes / bw * 1e3
         base = timer(lambda: eager_medusa(hidden, bwt, bb, lm))
         tab.add(f"medusa {H} heads (argmax)", "eager", base, mbytes, floor)
         if run_triton:
             ref = eager_medusa(hidden, bwt, bb, lm)
-            got = P.medusa_propose_triton(hidden, bwt, bb, lm, 1)[1][..., 0]
+            got = Med.medusa_propose_triton(hidden, bwt, bb, lm, 1)[1][..., 0]
             agree = float((ref == got).float().mean())
             tab.add(f"medusa {H} heads (argmax)", "fused (triton)",
-                    timer(lambda: P.medusa_propose_triton(hidden, bwt, bb, lm, 1)), mbytes, floor, base,
+                    timer(lambda: Med.medusa_propose_triton(hidden, bwt, bb, lm, 1)), mbytes, floor, base,
                     f"token agreement with eager {agree:.3f}")
             if cuda and graph_timer is not None:
                 _graph_pair(tab, f"medusa {H} heads (argmax)", graph_timer,
                             lambda: eager_medusa(hidden, bwt, bb, lm),
-                            lambda: P.medusa_propose_triton(hidden, bwt, bb, lm, 1), mbytes, floor)
+                            lambda: Med.medusa_propose_triton(hidden, bwt, bb, lm, 1), mbytes, floor)
         if with_ref and not cuda:
             tab.add(f"medusa {H} heads (argmax)", "op() on CPU",
-                    timer(lambda: P.medusa_propose(hidden, bwt, bb, lm, 1)), mbytes, floor, base, "reference")
+                    timer(lambda: Med.medusa_propose(hidden, bwt, bb, lm, 1)), mbytes, floor, base, "reference")
         del bwt, bb, lm
         # MLP speculator, n_predict = H, inner = D
         emb = [r(V, D) for _ in range(H)]
@@ -398,19 +385,19 @@ def bench_propose(dev, cuda, interp, timer, graph_timer, with_ref):
         tab.add(f"mlp speculator {H} stages", "eager", base, pbytes, floor)
         if run_triton:
             ref = eager_mlp(hidden, tokens, emb, proj, lw, lb, head)
-            got = P.mlp_speculator_propose_triton(hidden, tokens, emb, proj, lw, lb, head, False)
+            got = Mlp.mlp_speculator_propose_triton(hidden, tokens, emb, proj, lw, lb, head, False)
             agree = float((ref == got).float().mean())
             tab.add(f"mlp speculator {H} stages", "fused (triton)",
-                    timer(lambda: P.mlp_speculator_propose_triton(hidden, tokens, emb, proj, lw, lb, head, False)),
+                    timer(lambda: Mlp.mlp_speculator_propose_triton(hidden, tokens, emb, proj, lw, lb, head, False)),
                     pbytes, floor, base, f"token agreement with eager {agree:.3f}")
             if cuda and graph_timer is not None:
                 _graph_pair(tab, f"mlp speculator {H} stages", graph_timer,
                             lambda: eager_mlp(hidden, tokens, emb, proj, lw, lb, head),
-                            lambda: P.mlp_speculator_propose_triton(hidden, tokens, emb, proj, lw, lb, head, False),
+                            lambda: Mlp.mlp_speculator_propose_triton(hidden, tokens, emb, proj, lw, lb, head, False),
                             pbytes, floor)
         if with_ref and not cuda:
             tab.add(f"mlp speculator {H} stages", "op() on CPU",
-                    timer(lambda: P.mlp_speculator_propose(hidden, tokens, emb, proj, lw, lb, head, False)), pbytes,
+                    timer(lambda: Mlp.mlp_speculator_propose(hidden, tokens, emb, proj, lw, lb, head, False)), pbytes,
                     floor, base, "reference")
         tab.show()
         del emb, proj, head

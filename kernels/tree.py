@@ -18,7 +18,7 @@ Tree sources:
   taking the ``c[d]``-th best token of head ``d`` at depth ``d``): a static structure,
   :func:`medusa_tree`, filled per request by :func:`medusa_tree_tokens`.
 * IBM MLP speculator (``top_k_tokens_per_head=[5, 4, 3]``, ``n_candidates``): the per-stage
-  top-k of :func:`~speculators.kernels.proposal.mlp_speculator_propose_topk` define a full
+  top-k of :func:`~speculators.kernels.mlp_proposal.mlp_speculator_propose_topk` define a full
   expansion tree (each branch's state is advanced with each of its top-k tokens);
   :func:`mlp_candidate_paths` keeps the ``n_candidates`` leaves with the highest cumulative
   log-probability (IBM's ``generate_suffixes`` rule), :func:`paths_to_tree` merges their common
@@ -155,7 +155,7 @@ def medusa_tree_tokens(tree: MedusaTree, root_tokens: torch.Tensor, topk_indices
     """Tree tokens [B, N]: root token, then ``topk_indices[b, head_index[i], rank[i]]``.
 
     ``topk_indices`` [B, H, k] is e.g. the index output of
-    :func:`~speculators.kernels.proposal.medusa_propose` with ``top_k >= tree.max_topk``.
+    :func:`~speculators.kernels.medusa_proposal.medusa_propose` with ``top_k >= tree.max_topk``.
     """
     B, H, k = topk_indices.shape
     if tree.num_heads > H or tree.max_topk > k:

@@ -118,7 +118,7 @@ def test_medusa_names_shapes_and_math(tmp_path, shared):
 def test_medusa_draft_vocab_proposes_as_vllm_reads_the_full_heads(shared):
     """Medusa heads kept to a draft vocabulary propose from those rows plus the lowest-id zero rows only,
     yet give the full stored heads' argmax chain and top-k tree tokens, zero rows winning included."""
-    from speculators.kernels.proposal import medusa_propose_reference
+    from speculators.kernels.medusa_proposal import medusa_propose_reference
 
     torch.manual_seed(5)
     m = Medusa(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=3, original_lm_head=shared))

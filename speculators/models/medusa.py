@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.proposal import medusa_propose
-from ..kernels.tree import TreeBatch, medusa_tree, medusa_tree_tokens
+from speculators.kernels.medusa_proposal import medusa_propose
+from speculators.kernels.tree import TreeBatch, medusa_tree, medusa_tree_tokens
+
 from .base import SpeculatorModel, input_major
 
 # A 9-node tree for CPU-sized verification forwards (Medusa's own 63-node trees pay off on GPUs, where

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.proposal import mlp_speculator_propose, mlp_speculator_propose_topk
-from ..kernels.tree import TreeBatch, mlp_candidate_paths, paths_to_tree
+from speculators.kernels.mlp_proposal import mlp_speculator_propose, mlp_speculator_propose_topk
+from speculators.kernels.tree import TreeBatch, mlp_candidate_paths, paths_to_tree
+
 from .base import SpeculatorModel, input_major
 
 EPS = 1e-6

@@ -16,10 +16,10 @@ DEVICE = os.environ.get("SPECULATORS_TEST_DEVICE", "cpu")
 
 # The Triton entry points, by module.
 TRITON_ENTRY_POINTS = {
-    "speculators.kernels.fused_linear_divergence": ["_triton_forward"],
-    "speculators.kernels.proposal": ["lm_head_topk_triton", "medusa_propose_triton",
-                                     "mlp_speculator_propose_triton", "mlp_speculator_propose_topk_triton"],
     "speculators.kernels.chain_verification": ["rejection_sample_triton"],
+    "speculators.kernels.fused_linear_divergence": ["_triton_forward"],
+    "speculators.kernels.medusa_proposal": ["medusa_propose_triton"],
+    "speculators.kernels.mlp_proposal": ["mlp_speculator_propose_triton", "mlp_speculator_propose_topk_triton"],
     "speculators.kernels.tree_verification": ["tree_verify_triton"],
 }
 

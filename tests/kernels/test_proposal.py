@@ -8,13 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speculators.kernels.proposal import (
-    lm_head_topk,
-    lm_head_topk_reference,
-    lm_head_topk_triton,
-    medusa_propose,
-    medusa_propose_reference,
-    medusa_propose_triton,
+from speculators.kernels.medusa_proposal import medusa_propose, medusa_propose_reference, medusa_propose_triton
+from speculators.kernels.mlp_proposal import (
     mlp_speculator_propose,
     mlp_speculator_propose_reference,
     mlp_speculator_propose_topk,
@@ -39,21 +34,25 @@ def _d(ts):
 
 
 # ----------------------------------------------------------------------------------------
-# lm_head_topk
+# LM head + top-k alone: Medusa heads without ResBlocks
 # ----------------------------------------------------------------------------------------
+def _no_resblocks(D, dtype=torch.float32):
+    return torch.empty(1, 0, D, D, dtype=dtype)
+
+
 @needs_triton
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("B", [1, 4])
 @pytest.mark.parametrize("num_programs", [1, 4])
-def test_lm_head_topk_exact_with_ties(k, B, num_programs):
+def test_head_topk_exact_with_ties(k, B, num_programs):
     # small integer inputs: every logit is exact in fp32, and ties are frequent
     g = torch.Generator().manual_seed(k * 10 + B)
     D, V = 24, 150
     x = torch.randint(-2, 3, (B, D), generator=g).float()
     w = torch.randint(-1, 2, (V, D), generator=g).float()
     for logprobs in (False, True):
-        ref = lm_head_topk_reference(x.double(), w.double(), k, logprobs=logprobs)
-        tri = lm_head_topk_triton(x, w, k, logprobs=logprobs, _num_programs=num_programs)
+        ref = medusa_propose_reference(x.double(), _no_resblocks(D).double(), None, w.double(), k, logprobs=logprobs)
+        tri = medusa_propose_triton(x, _no_resblocks(D), None, w, k, logprobs=logprobs, _num_programs=num_programs)
         assert torch.equal(tri[1], ref[1]), (tri[1], ref[1])
         torch.testing.assert_close(tri[0], ref[0], atol=1e-5, rtol=1e-5)
         assert tri[0].dtype == torch.float32 and tri[1].dtype == torch.int64
@@ -61,20 +60,18 @@ def test_lm_head_topk_exact_with_ties(k, B, num_programs):
     full = (x.double() @ w.double().t())
     top = full.max(-1).values
     first = (full == top[:, None]).double().argmax(-1)
-    assert torch.equal(ref[1][:, 0] if k == 1 else lm_head_topk_reference(x, w, 1)[1][:, 0], first)
+    assert torch.equal(ref[1][:, 0, 0], first)
 
 
 @needs_triton
-def test_lm_head_topk_bf16_and_dispatch():
+def test_head_topk_bf16():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 40, generator=g).to(torch.bfloat16)
     w = torch.randn(97, 40, generator=g).to(torch.bfloat16)
-    ref = lm_head_topk_reference(x.double(), w.double(), 4)
-    tri = lm_head_topk_triton(x, w, 4)
+    ref = medusa_propose_reference(x.double(), _no_resblocks(40, torch.float64), None, w.double(), 4)
+    tri = medusa_propose_triton(x, _no_resblocks(40, torch.bfloat16), None, w, 4)
     assert torch.equal(tri[1], ref[1])
     torch.testing.assert_close(tri[0], ref[0], atol=1e-4, rtol=1e-4)
-    cpu = lm_head_topk(x.float(), w.float(), 4)  # CPU tensors -> reference
-    assert torch.equal(cpu[1], lm_head_topk_reference(x.float(), w.float(), 4)[1])
 
 
 # ----------------------------------------------------------------------------------------
@@ -343,26 +340,30 @@ bf = torch.empty(1, dtype=torch.bfloat16)
 '''
 
 _AOT_PROPOSAL = _AOT_HELPER + r'''
-import speculators.kernels.proposal as pm
-C = pm.PROPOSAL_CONFIG
-for w, up, prec, bv, bd, st in [(bf, False, "tf32", C["head_block_v"], C["head_block_d"], C["head_stages"]),
+import speculators.kernels.lm_head_topk as hk
+import speculators.kernels.medusa_proposal as md
+import speculators.kernels.mlp_proposal as mp
+C = hk.HEAD_TOPK_CONFIG
+for w, up, prec, bv, bd, st in [(bf, False, "tf32", C["block_v"], C["block_d"], C["num_stages"]),
                                 (f32, True, "ieee", 64, 32, 3)]:
     for k in (1, 8):
         args = dict(x_ptr=w, stride_xh=0, stride_xb=4096, w_ptr=w, stride_wh=0, stride_wv=4096, pv_ptr=f32, pi_ptr=i32,
                     pl_ptr=f32, B=64, V=128256, D=4096, NP=264, TILES_PER_PROG=4)
-        aot(pm._head_topk_kernel, args, dict(K=k, KPAD=max(2, k), LSE=True, UPCAST=up, DOT_PREC=prec, BLOCK_B=64,
-                                             BLOCK_V=bv, BLOCK_D=bd), C["head_warps"], st)
-aot(pm._topk_merge_kernel, dict(pv_ptr=f32, pi_ptr=i32, pl_ptr=f32, ov_ptr=f32, oi_ptr=i64, stride_ob=4, stride_oh=1,
+        aot(hk._head_topk_kernel, args, dict(K=k, KPAD=max(2, k), LSE=True, UPCAST=up, DOT_PREC=prec, BLOCK_B=64,
+                                             BLOCK_V=bv, BLOCK_D=bd), C["num_warps"], st)
+aot(hk._topk_merge_kernel, dict(pv_ptr=f32, pi_ptr=i32, pl_ptr=f32, ov_ptr=f32, oi_ptr=i64, stride_ob=4, stride_oh=1,
     tok_ptr=i64, stride_tok=4, B=64, NP=264), dict(K=8, KPAD=8, LSE=True, WRITE_TOK=True, BLOCK_C=4096, BLOCK_P=512), 8)
-aot(pm._mlp_proj_kernel, dict(x_ptr=bf, stride_xb=4096, p_ptr=bf, stride_pn=4096, emb_ptr=bf, stride_ev=3072,
+C = mp.MLP_PROJ_CONFIG
+aot(mp._mlp_proj_kernel, dict(x_ptr=bf, stride_xb=4096, p_ptr=bf, stride_pn=4096, emb_ptr=bf, stride_ev=3072,
     tok_ptr=i64, stride_tok=1, s_ptr=f32, Bt=64, N=3072, D=4096, ROWS_PER_PARENT=1, emb_scale=1.0),
-    dict(SCALE_INPUT=True, UPCAST=False, DOT_PREC="tf32", BLOCK_B=64, BLOCK_N=C["proj_block_n"],
-         BLOCK_D=C["proj_block_d"]), C["proj_warps"], C["proj_stages"])
-aot(pm._norm_gelu_kernel, dict(s_ptr=f32, w_ptr=bf, b_ptr=bf, h_ptr=bf, N=3072), dict(BLOCK_N=1024), 4)
-aot(pm._resblock_kernel, dict(x_ptr=bf, stride_xh=0, stride_xb=4096, w_ptr=bf, stride_wh=4096 * 4096, stride_wn=4096,
+    dict(SCALE_INPUT=True, UPCAST=False, DOT_PREC="tf32", BLOCK_B=64, BLOCK_N=C["block_n"], BLOCK_D=C["block_d"]),
+    C["num_warps"], C["num_stages"])
+aot(mp._norm_gelu_kernel, dict(s_ptr=f32, w_ptr=bf, b_ptr=bf, h_ptr=bf, N=3072), dict(BLOCK_N=1024), 4)
+C = md.RESBLOCK_CONFIG
+aot(md._resblock_kernel, dict(x_ptr=bf, stride_xh=0, stride_xb=4096, w_ptr=bf, stride_wh=4096 * 4096, stride_wn=4096,
     b_ptr=bf, stride_bh=4096, y_ptr=bf, B=64, D=4096),
-    dict(HAS_BIAS=True, UPCAST=False, DOT_PREC="tf32", BLOCK_B=64, BLOCK_N=C["proj_block_n"],
-         BLOCK_D=C["proj_block_d"]), C["proj_warps"], C["proj_stages"])
+    dict(HAS_BIAS=True, UPCAST=False, DOT_PREC="tf32", BLOCK_B=64, BLOCK_N=C["block_n"], BLOCK_D=C["block_d"]),
+    C["num_warps"], C["num_stages"])
 print("AOT-OK")
 '''
 
@@ -381,7 +382,7 @@ def test_cuda_kernels_compile_without_gpu():
 
 def test_stable_topk_equals_a_stable_sort_with_ties():
     """The references' top-k (ties -> lowest index) equals the first k of a stable descending sort."""
-    from speculators.kernels.proposal import _stable_topk
+    from speculators.kernels.lm_head_topk import stable_topk
 
     g = torch.Generator().manual_seed(0)
     for trial in range(200):
@@ -390,5 +391,5 @@ def test_stable_topk_equals_a_stable_sort_with_ties():
         # every other trial: a handful of distinct values, so ties straddle the k-th place
         x = torch.randint(0, 4, (R, V), generator=g).float() if trial % 2 else torch.randn(R, V, generator=g)
         vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
-        got = _stable_topk(x, k)
+        got = stable_topk(x, k)
         assert torch.equal(got[0], vals[:, :k]) and torch.equal(got[1], idx[:, :k]), trial

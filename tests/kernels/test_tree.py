@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from speculators.kernels.proposal import medusa_propose_reference, mlp_speculator_propose_topk_reference
+from speculators.kernels.medusa_proposal import medusa_propose_reference
+from speculators.kernels.mlp_proposal import mlp_speculator_propose_topk_reference
 from speculators.kernels.tree import (
     accepted_kv_indices,
     compact_accepted_kv_,
