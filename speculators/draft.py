@@ -67,7 +67,7 @@ class DraftModel(nn.Module):
 
         atomic_write_dir(Path(out_dir), write)
 
-    def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Weights from a directory this class saved (a tied lm head is stored once, as the embedding)."""
         missing, unexpected = self.lm.load_state_dict(tensors, strict=False)
         tied = set(getattr(self.lm, "_tied_weights_keys", None) or {}) if self.lm.config.tie_word_embeddings else set()

@@ -604,7 +604,7 @@ class Trainer:
         from .models.base import read_safetensors
 
         model = self.unwrapped
-        model.load_vllm_state_dict(read_safetensors(path / "model" / "model.safetensors"))
+        model.load_weights(read_safetensors(path / "model" / "model.safetensors"))
         state = json.loads((path / "trainer_state.json").read_text())
         tensors = load_file(str(path / "optimizer.safetensors"))
         torch.set_rng_state(tensors.pop("rng.torch"))

@@ -223,7 +223,7 @@ class SpeculatorModel(nn.Module):
         zero_rows = self._rows_outside(draft).nonzero().squeeze(1)
         return torch.cat([draft, zero_rows[: self.widest_topk()]]).sort().values
 
-    def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
 
     def save_pretrained(self, out_dir: str | Path) -> None:
@@ -252,7 +252,7 @@ class SpeculatorModel(nn.Module):
                 raise CheckpointError(f"{path} has no {WEIGHTS_NAME}")
             weights = pickles[0]
         model = cls(config)
-        model.load_vllm_state_dict(read_safetensors(weights, allow_pickle))
+        model.load_weights(read_safetensors(weights, allow_pickle))
         return model
 
     def _check_and_copy(self, tensors: dict[str, torch.Tensor], expected: dict[str, nn.Parameter | torch.Tensor]):

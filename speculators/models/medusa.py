@@ -149,6 +149,6 @@ class Medusa(SpeculatorModel):
             sd.update({f"lm_heads.{h}.weight": w for h, w in enumerate(self.lm_head_weight.data)})
         return sd
 
-    def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         tensors = {k.replace("medusa_heads.", ""): v for k, v in tensors.items()}
         self._check_and_copy(tensors, self.vllm_state_dict())

@@ -233,7 +233,7 @@ class MLPSpeculator(SpeculatorModel):
         sd.update({f"head.{i}.weight": w for i, w in enumerate(self.head_weight.data)})
         return sd
 
-    def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         # vLLM strips any "speculator." prefix; do the same so fms-extras checkpoints load too.
         tensors = {k.replace("speculator.", ""): v for k, v in tensors.items()}
         self._check_and_copy(tensors, dict(self.vllm_state_dict()))
