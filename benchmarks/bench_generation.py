@@ -36,8 +36,8 @@ def main(argv=None) -> None:
     from speculators.assets import default_target_dir
     from speculators.config import Stage, TrainConfig
     from speculators.generation import VLLMGenerator, generate_rows, stop_ids
+    from speculators.stage_data import stage_prompts
     from speculators.target import load_causal_lm
-    from speculators.trainer import stage_prompts
 
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(default_target_dir())

@@ -39,8 +39,8 @@ from teacher_forced_tau import greedy_outputs
 from tqdm import tqdm
 
 from speculators.data import build_dataset
+from speculators.stage_data import cache_target_hidden
 from speculators.target import Target
-from speculators.trainer import cache_target_hidden
 
 STUDIES = {"medusa": 0, "mlp": 1, "mlp+1": 2}  # name -> how many tokens after h_t it reads
 

@@ -55,11 +55,11 @@ class TrainConfig:
     scale_input: bool = True
     # How the speculator starts: "random"; "target" (embeddings and lm heads copied from the target's);
     # "regression" (MLP speculator only: every stage starts as the least-squares linear predictor of the
-    # target's next hidden state, read out through the target's frozen lm head; see trainer.regression_init).
+    # target's next hidden state, read out through the target's frozen lm head; see lstsq_init.regression_init).
     init: str = "target"
     init_samples: int = 1000  # init: regression — training rows the least-squares fit reads
     # init: regression — 0: each token's vector is linear in the target's embedding; λ > 0: every token
-    # also gets its own offset, ridge-shrunk by λ occurrences (see trainer.regression_init)
+    # also gets its own offset, ridge-shrunk by λ occurrences (see lstsq_init.regression_init)
     init_token_bias: float = 0.0
     medusa_layers: int = 1
     medusa_shared_lm_head: bool = False  # True: the target's frozen lm head (vLLM original_lm_head)

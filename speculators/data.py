@@ -202,7 +202,7 @@ def eval_prompts(name: str, n: int | None = None) -> list[list[dict]]:
 
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a list of tokenized rows into input_ids, attention_mask and loss_mask (and "hidden",
-    the target's cached hidden states, where the rows carry them: see trainer.cache_target_hidden)."""
+    the target's cached hidden states, where the rows carry them: see stage_data.cache_target_hidden)."""
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)

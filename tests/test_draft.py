@@ -14,11 +14,13 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from speculators.config import ConfigError, Stage, TrainConfig, load_config
+from speculators.distill_loss import distillation_loss
 from speculators.draft import build_draft, check_vocab
 from speculators.engine import DraftModelProposer, SamplingParams, SpeculativeDecoder
 from speculators.kernels.fused_linear_divergence import per_token_divergence
+from speculators.stage_data import onpolicy_seed, takes_onpolicy_batch
 from speculators.target import Target
-from speculators.trainer import Trainer, onpolicy_seed, speculator_loss, takes_onpolicy_batch
+from speculators.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,7 +104,7 @@ def test_draft_loss_matches_float64_reference(tiny_target, tiny_target_dir, dive
     batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
     target_runs = []
     hook = tiny_target.body.register_forward_hook(lambda *_: target_runs.append(1))
-    loss, n = speculator_loss(draft, tiny_target, batch, cfg, normalizer=7.0)
+    loss, n = distillation_loss(draft, tiny_target, batch, cfg, normalizer=7.0)
     hook.remove()
     loss.backward()
     # hard labels need no teacher: the target runs only for the divergences
@@ -137,7 +139,7 @@ def test_onpolicy_rows_come_from_the_draft(tmp_path, tiny_target_dir, chat_file,
         args = draft_args(tiny_target_dir, chat_file, out, draft_layers=layers,
                           stages="[{steps: 2, data: draft, gen_tokens: 8, num_prompts: 8, gen_top_k: 0}]")
         tr = Trainer(load_config(None, args))
-        return tr, tr.onpolicy_rows(0, tr.cfg.stages[0], 0)
+        return tr, tr.data.onpolicy_rows(tr.unwrapped, 0)
 
     tr, rows = rows_of("[1]", tmp_path / "a")
     assert len(rows) == 4 and all(sum(r["loss_mask"]) > 0 for r in rows)

@@ -256,7 +256,7 @@ def test_overrides_take_yaml_1_1_floats():
 def test_every_shipped_recipe_loads(recipe):
     """A shipped recipe with a misspelt key or value would fail only when a user launches it."""
     from speculators.config import load_config
-    from speculators.trainer import resolve_precision
+    from speculators.precision import resolve_precision
 
     cfg = load_config(str(REPO / "train" / "configs" / recipe), [])
     assert {resolve_precision(cfg.target_dtype), resolve_precision(cfg.mixed_precision)} <= {"bf16", "fp32"}
@@ -265,7 +265,7 @@ def test_every_shipped_recipe_loads(recipe):
 def test_token_bias_solve_is_the_joint_ridge_regression():
     """solve_with_token_bias (offsets eliminated from sufficient statistics) equals the ridge solve
     with explicit one-hot token features, tokens that never occur keeping a zero offset."""
-    from speculators.trainer import solve_with_token_bias
+    from speculators.lstsq_init import solve_with_token_bias
 
     torch.manual_seed(0)
     N, D, V, lam, ridge = 300, 3, 12, 2.0, 1e-3

@@ -90,8 +90,8 @@ def fault_point(stage: str) -> None:
     """Test hook: SPECULATORS_FAULT_AT=<stage> ends the process here as kill -9 would (exit code 137),
     so the tests interrupt a write at each of its steps without relying on timing. A stage is
     "<point>:<name>", <name> being the file or directory written and <point> one of dir_written,
-    old_moved, dir_renamed (atomic_write_dir), file_written (atomic_write_file),
-    latest_updated and history_appended (Trainer; their name is the step's checkpoint, step-0000002)."""
+    old_moved, dir_renamed (atomic_write_dir), file_written (atomic_write_file), latest_updated and
+    history_appended (checkpoint.RunDirectory; their name is the step's checkpoint, step-0000002)."""
     if os.environ.get("SPECULATORS_FAULT_AT") == stage:
         os._exit(137)
 

@@ -63,8 +63,8 @@ def test_trainer_generates_with_vllm_like_the_builtin_generator(vllm_python, def
     from speculators.config import load_config
     from speculators.data import build_dataset
     from speculators.generation import generate_rows
+    from speculators.stage_data import stage_prompts
     from speculators.target import Target
-    from speculators.trainer import stage_prompts
 
     cfg = load_config(str(tmp_path / "recipe.yaml"), [])
     target = Target.load(cfg.target, torch.float32)
