@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,6 +12,76 @@ import yaml
 
 class ConfigError(ValueError):
     """A recipe that cannot run; the message names the bad key or value."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric recipe key allows: lo..hi, either end open or unbounded (None)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, value) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo}"
+        return f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+
+
+AT_LEAST_0, AT_LEAST_1, POSITIVE = Range(0), Range(1), Range(0, lo_open=True)
+FRACTION = Range(0, 1)
+
+# Every numeric key of a stage and of a recipe, with the values it allows. A value outside them
+# would not fail, only do something else than asked (0 steps writes an untrained speculator), so
+# it is refused before anything loads.
+STAGE_RANGES = {
+    "steps": AT_LEAST_1,
+    "lr_scale": POSITIVE,
+    "num_prompts": AT_LEAST_1,
+    "prompt_tokens": AT_LEAST_1,
+    "gen_tokens": AT_LEAST_1,
+    "gen_temperature": AT_LEAST_0,  # 0: greedy
+    "gen_top_k": AT_LEAST_0,  # 0: the whole distribution
+    "onpolicy_fraction": FRACTION,
+}
+CONFIG_RANGES = {
+    "max_samples": AT_LEAST_0,  # 0: every row of the data set
+    "seq_len": Range(16),  # data.build_dataset drops rows shorter than 16 tokens
+    "n_predict": AT_LEAST_1,
+    "inner_dim": AT_LEAST_0,  # 0: the target's hidden size
+    "init_samples": AT_LEAST_1,
+    "init_token_bias": AT_LEAST_0,
+    "medusa_layers": AT_LEAST_0,
+    "draft_vocab": AT_LEAST_0,
+    "beta": FRACTION,
+    "temperature": POSITIVE,
+    "head_weight_decay": POSITIVE,
+    "lr": POSITIVE,
+    "weight_decay": AT_LEAST_0,
+    "warmup_steps": AT_LEAST_0,
+    "batch_size": AT_LEAST_1,
+    "micro_batch_size": AT_LEAST_1,
+    "grad_clip": AT_LEAST_0,  # 0: no clipping
+    "seed": Range(0, 2**32 - 1),  # numpy's seeds, which accelerate's set_seed sets too
+    "save_every": AT_LEAST_1,
+    "log_every": AT_LEAST_1,
+    "vllm_kv_cache_gib": POSITIVE,
+}
+
+
+def check_ranges(obj, ranges: dict, where: str = "") -> None:
+    for key, allowed in ranges.items():
+        value = getattr(obj, key)
+        if value not in allowed:
+            raise ConfigError(f"{where}{key}={value!r} is out of range; allowed: {allowed}")
 
 
 @dataclass
@@ -117,6 +188,9 @@ class TrainConfig:
 
     def __post_init__(self):
         self.stages = [s if isinstance(s, Stage) else _strict(Stage, s, "stages[]") for s in self.stages]
+        if not self.stages:
+            raise ConfigError("stages=[]: give at least one stage, e.g. stages: [{steps: 100}]")
+        check_ranges(self, CONFIG_RANGES)
         checks = {
             "kind": ("mlp_speculator", "medusa", "draft_model"),
             "draft_init": ("layers", "model", "config"),
@@ -132,10 +206,9 @@ class TrainConfig:
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"{key}={getattr(self, key)!r} is not one of {list(allowed)}")
         for s in self.stages:
+            check_ranges(s, STAGE_RANGES, f"stage {s.name}: ")
             if s.data not in ("dataset", "target", "draft"):
                 raise ConfigError(f"stage {s.name}: data={s.data!r} is not 'dataset', 'target' or 'draft'")
-            if not 0.0 <= s.onpolicy_fraction <= 1.0:
-                raise ConfigError(f"stage {s.name}: onpolicy_fraction={s.onpolicy_fraction} is not in [0, 1]")
             if (s.data == "draft" or s.onpolicy_fraction) and self.kind != "draft_model":
                 raise ConfigError(f"stage {s.name}: on-policy data needs kind: draft_model (only a draft model generates)")
             if s.generator not in ("auto", "builtin", "vllm"):
@@ -145,13 +218,16 @@ class TrainConfig:
         if self.init == "regression":
             if self.kind != "mlp_speculator" or self.scale_input:
                 raise ConfigError("init: regression is for kind: mlp_speculator with scale_input: false")
-        if self.init_token_bias < 0 or (self.init_token_bias and self.init != "regression"):
+        if self.init_token_bias and self.init != "regression":
             raise ConfigError(f"init_token_bias={self.init_token_bias}: give 0, or a shrinkage > 0 with init: regression")
-        if self.draft_vocab < 0 or (self.draft_vocab and self.kind == "draft_model"):
+        if self.draft_vocab and self.kind == "draft_model":
             raise ConfigError(f"draft_vocab={self.draft_vocab}: give 0 (the whole vocabulary) or, for an MLP "
                               f"speculator or Medusa, the number of tokens the heads may propose")
+        if self.divergence == "jsd" and self.beta in (0, 1):
+            raise ConfigError(f"beta={self.beta} makes the jsd loss exactly 0; give 0 < beta < 1")
         if self.batch_size % self.micro_batch_size:
-            raise ConfigError("batch_size must be a multiple of micro_batch_size")
+            raise ConfigError(f"batch_size={self.batch_size} is not a multiple of "
+                              f"micro_batch_size={self.micro_batch_size}")
 
     @property
     def total_steps(self) -> int:
@@ -183,7 +259,7 @@ def _typed(key: str, value, type_name: str, where: str):
         except (TypeError, ValueError):
             pass
         raise ConfigError(f"{where}: {key}={value!r} is not a number")
-    expected = {"int": int, "bool": bool, "str": str}.get(type_name)
+    expected = {"int": int, "bool": bool, "str": str, "list": list, "dict": dict}.get(type_name)
     if expected and (not isinstance(value, expected) or (expected is int and isinstance(value, bool))):
         raise ConfigError(f"{where}: {key}={value!r} is not of type {type_name}")
     return value
@@ -196,7 +272,14 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {path}")
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not UTF-8 text; a recipe is a YAML file") from None
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            line = mark.line + 1 if mark else "?"
+            raise ConfigError(f"{path}:{line}: not valid YAML ({_yaml_problem(err)})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the recipe must be a YAML mapping")
     i = 0
@@ -209,6 +292,14 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
             if i + 1 >= len(overrides):
                 raise ConfigError(f"--{key} needs a value")
             value, i = overrides[i + 1], i + 1
-        data[key.replace("-", "_")] = yaml.safe_load(value)
+        try:
+            data[key.replace("-", "_")] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--{key}={value}: not a valid YAML value ({_yaml_problem(err)}); quote it as one "
+                              f"argument, e.g. --stages='[{{steps: 100}}]'") from None
         i += 1
     return _strict(TrainConfig, data, path or "command line")
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    return " ".join(filter(None, [getattr(err, "context", None), getattr(err, "problem", None)])) or str(err)
