@@ -13,7 +13,7 @@ import torch
 from speculators.models import MODEL_TYPES
 from speculators.models.base import CONFIG_NAME, CheckpointError, atomic_write_dir, unfinished_writes
 from speculators.draft import DraftModel, check_draft_against_target, is_draft_checkpoint, load_draft
-from speculators.target import resolve_model_path
+from speculators.target import model_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -44,11 +44,7 @@ def load_speculator(path: str | Path, allow_pickle: bool = False):
 
 def check_against_target(model, target: str) -> dict:
     """Vocab, hidden size and architecture of the checkpoint against the target's config."""
-    from transformers import AutoConfig
-
-    path, gguf = resolve_model_path(target)
-    tcfg = AutoConfig.from_pretrained(path, gguf_file=gguf) if gguf else AutoConfig.from_pretrained(path)
-    tcfg = tcfg.get_text_config()
+    tcfg = model_config(target).get_text_config()
     c = model.config
     hidden = c.emb_dim if hasattr(c, "emb_dim") else c.hidden_size
     if c.vocab_size != tcfg.vocab_size:

@@ -45,22 +45,82 @@ def resolve_model_path(name: str) -> tuple[str, str | None]:
     return name, None
 
 
+def check_causal_lm(config, name: str) -> None:
+    """Refuse a model that is not a causal LM. AutoModelForCausalLM would load some encoders anyway
+    (a BERT masked-LM directory becomes a BertLMHeadModel with its weights), and training against
+    one runs to the end and exports a speculator for a model that does not generate."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED,
+    )
+
+    archs = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", "")
+    if archs:
+        causal = not set(archs).isdisjoint(CAUSAL.values())
+    else:  # no class recorded: the model type decides; an encoder type must be configured as a decoder
+        causal = model_type in CAUSAL and (model_type not in MASKED or getattr(config, "is_decoder", False))
+    if not causal:
+        what = archs[0] if archs else f"{model_type!r} model"
+        raise AssetError(f"{name} is a {what}, not a causal language model; the target (or draft) must be a "
+                         f"decoder-only causal LM, such as a LlamaForCausalLM")
+
+
+def model_config(name: str):
+    """The transformers config of a model given by alias, directory, GGUF file or Hub id, checked to
+    be a causal LM; reads no weights."""
+    path, gguf = resolve_model_path(name)  # a missing model is refused before transformers is imported
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
+    except (OSError, ValueError) as err:
+        raise AssetError(f"could not read the config of model {name!r}: {str(err).splitlines()[0]}") from None
+    check_causal_lm(config, name)
+    return config
+
+
+def context_window(config) -> int | None:
+    """The most positions the model was built for (max_position_embeddings), where its config says."""
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
+def check_fits(window: int | None, n_prompt: int, max_new_tokens: int, what: str) -> None:
+    """Refuse a prompt that, with the tokens to generate, runs past the model's window: beyond
+    max_position_embeddings a model computes positions it was never trained on, without a warning."""
+    if window and n_prompt + max_new_tokens > window:
+        raise ValueError(f"{what} is {n_prompt} tokens, {n_prompt + max_new_tokens} with the {max_new_tokens} to "
+                         f"generate: past the target's window of {window} tokens (max_position_embeddings); "
+                         f"shorten the prompt or generate fewer tokens (--max-new-tokens)")
+
+
 def load_causal_lm(name: str, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) for a causal LM given by alias, directory, GGUF file or Hub id."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a per-tensor bar for a 1-second load is noise
+    config = model_config(name)  # read once (a GGUF file's takes seconds), checked, and used for the model
     path, gguf = resolve_model_path(name)
     kwargs = {"gguf_file": gguf} if gguf else {}
     try:
         tokenizer = load_tokenizer(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if gguf else dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32 if gguf else dtype,
+                                                     **kwargs)
     except OSError as err:
         raise AssetError(f"could not load model {name!r}: {str(err).splitlines()[0]}") from None
     if gguf:
         model = model.to(dtype)
     return model, tokenizer
+
+
+def model_tokenizer(name: str):
+    """The tokenizer of a model given by alias, directory, GGUF file or Hub id, without its weights."""
+    path, gguf = resolve_model_path(name)
+    try:
+        return load_tokenizer(path, **({"gguf_file": gguf} if gguf else {}))
+    except OSError as err:
+        raise AssetError(f"could not load the tokenizer of model {name!r}: {str(err).splitlines()[0]}") from None
 
 
 def load_tokenizer(path: str, **kwargs):
@@ -160,6 +220,7 @@ class Target(nn.Module):
         if not files:
             raise AssetError(f"{path} has no .safetensors weights; shard_target loads only those")
         config = AutoConfig.from_pretrained(path)
+        check_causal_lm(config, name)
         with init_empty_weights():  # parameters on the meta device; buffers (rotary frequencies) real
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         try:
@@ -214,6 +275,10 @@ class Target(nn.Module):
     @property
     def vocab_size(self) -> int:
         return self.lm_head.weight.shape[0]
+
+    @property
+    def window(self) -> int | None:
+        return context_window(self.model.config)
 
     @property
     def architecture(self) -> str:
