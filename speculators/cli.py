@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -37,7 +38,6 @@ def _load_proposers(args) -> tuple[str, dict]:
     """(target name, {name: proposer}) for eval and generate: the checkpoint (a speculator, or a draft
     model), every --draft, --ngram; --tree adds a tree-drafting twin of a speculator."""
     from .draft import check_draft_against_target, is_draft_checkpoint, load_draft
-    from .engine import DraftModelProposer, HeadProposer, NgramProposer, TreeProposer
     from .export.vllm_format import check_against_target, find_checkpoint, load_speculator
 
     drafts = [spec if "=" in spec else f"{Path(spec).name}={spec}" for spec in getattr(args, "draft", [])]
@@ -64,14 +64,18 @@ def _load_proposers(args) -> tuple[str, dict]:
     if args.tree and args.temperature > 0 and not args.typical:
         raise ValueError("--tree at --temperature > 0 needs --typical (Medusa-2's typical acceptance, which does "
                          "not preserve the target's distribution); drop --tree to sample exactly")
-    proposers = {}
     if head is not None:
         check_against_target(head, target_name)
+    for model, tokenizer in loaded.values():
+        check_draft_against_target(model, tokenizer, target_name)
+    from .engine import DraftModelProposer, HeadProposer, NgramProposer, TreeProposer  # the kernels: seconds
+
+    proposers = {}
+    if head is not None:
         proposers[head.config.MODEL_TYPE] = HeadProposer(head)
         if args.tree:
             proposers[f"{head.config.MODEL_TYPE}-tree"] = TreeProposer(head, typical=args.typical)
-    for name, (model, tokenizer) in loaded.items():
-        check_draft_against_target(model, tokenizer, target_name)
+    for name, (model, _) in loaded.items():
         proposers[name] = DraftModelProposer(model)
     if args.ngram:
         proposers["ngram"] = NgramProposer(1, 4)
@@ -120,12 +124,12 @@ def _sampling(args):
 def _eval(args):
     import torch
 
-    from .evaluate import evaluate, summary_lines
-
     torch.manual_seed(args.seed)
     target_name, proposers = _load_proposers(args)
     if not proposers:
         raise ValueError("nothing to evaluate: give a checkpoint, --draft or --ngram")
+    from .evaluate import evaluate, summary_lines
+
     torch.set_num_threads(args.threads or torch.get_num_threads())
     target = _load_target(args, target_name, proposers)
     results = evaluate(target, proposers, args.data, args.k, _sampling(args), args.num_prompts, args.out)
@@ -137,31 +141,35 @@ def _eval(args):
 
 
 def _generate(args):
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        prompts += [line for line in _read_prompt_file(args.prompt_file).splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("no prompt: give --prompt TEXT (repeatable) or --prompt-file FILE (one prompt per line)")
     import torch
 
     from .data import chat_ids
-    from .engine import SpeculativeDecoder
+    from .target import check_fits, context_window, model_config, model_tokenizer
 
-    prompts = list(args.prompt)
-    if args.prompt_file:
-        lines = Path(args.prompt_file).read_text().splitlines()
-        prompts += [line for line in lines if line.strip()]
-    if not prompts:
-        raise ValueError("no prompt: give --prompt TEXT (repeatable) or --prompt-file FILE (one prompt per line)")
     target_name, proposers = _load_proposers(args)
     if len(proposers) > 1:  # the tree replaces the chain; a draft and --ngram are alternatives
         proposers = {n: p for n, p in proposers.items() if n.endswith("-tree")} or proposers
     if len(proposers) > 1:
         raise ValueError(f"generate runs one proposer, got {sorted(proposers)}; give either a checkpoint or --ngram")
     name, proposer = next(iter(proposers.items()), ("plain", None))
+    # every prompt against the target's window with its tokenizer and config, before any weights load
+    tok, window = model_tokenizer(target_name), context_window(model_config(target_name))
+    prompt_ids = [tok(text, add_special_tokens=False)["input_ids"] if args.raw else
+                  chat_ids(tok, [{"role": "user", "content": text}]) for text in prompts]
+    for i, ids in enumerate(prompt_ids):
+        check_fits(window, len(ids), args.max_new_tokens, f"prompt {i + 1}" if len(prompts) > 1 else "the prompt")
     torch.set_num_threads(args.threads or torch.get_num_threads())
     target = _load_target(args, target_name, proposers)
-    tok = target.tokenizer
+    from .engine import SpeculativeDecoder
+
     decoder = SpeculativeDecoder(target, proposer, args.k if proposer is not None else 0)
     sp = _sampling(args)
-    for i, text in enumerate(prompts):
-        ids = tok(text, add_special_tokens=False)["input_ids"] if args.raw else \
-            chat_ids(tok, [{"role": "user", "content": text}])
+    for i, (text, ids) in enumerate(zip(prompts, prompt_ids)):
         st = decoder.generate(ids, dataclasses.replace(sp, seed=sp.seed + i))
         rec = {
             "prompt": text,
@@ -181,6 +189,48 @@ def _generate(args):
             print(f"[{name}: {rec['tokens']} tokens, {rec['target_forwards']} target forwards, tau {rec['tau']:.2f}"
                   + (f", acceptance {acc}" if acc else "") + f", {rec['tokens_per_s']:.1f} tokens/s]",
                   file=sys.stderr, flush=True)
+
+
+def _read_prompt_file(name: str) -> str:
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"--prompt-file {name}: {'a directory' if path.is_dir() else 'no such file'}; "
+                         f"give a text file, one prompt per line")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt-file {name}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                         f"{err.start}); give a text file, one prompt per line") from None
+    except OSError as err:
+        raise ValueError(f"--prompt-file {name}: cannot be read ({err.strerror})") from None
+
+
+def _check_args(args) -> None:
+    """Every numeric flag against the values it allows, before anything loads: a value outside them
+    would not fail but do something else than asked (--k 0 decodes plainly, under the proposer's name)."""
+    if args.cmd in ("eval", "generate"):
+        proposer = args.checkpoint or getattr(args, "draft", None) or args.ngram
+        ranges = [
+            ("--k", args.k, ">= 1 (draft tokens per target forward)", not proposer or args.k >= 1),
+            ("--temperature", args.temperature, ">= 0 (0: greedy)",
+             math.isfinite(args.temperature) and args.temperature >= 0),
+            ("--top-p", args.top_p, "(0, 1] (1: no nucleus cut)", 0 < args.top_p <= 1),
+            ("--top-k", args.top_k, ">= 0 (0: no top-k cut)", args.top_k >= 0),
+            ("--max-new-tokens", args.max_new_tokens, ">= 1", args.max_new_tokens >= 1),
+            ("--threads", args.threads, ">= 1", args.threads is None or args.threads >= 1),
+        ]
+        if args.cmd == "eval":
+            ranges.append(("--num-prompts", args.num_prompts, ">= 1", args.num_prompts >= 1))
+        for flag, value, allowed, ok in ranges:
+            if not ok:
+                raise ValueError(f"{flag} {value} is out of range; allowed: {allowed}")
+    if args.cmd == "generate":
+        for i, text in enumerate(args.prompt):
+            if not text.strip():
+                raise ValueError(f"--prompt number {i + 1} is empty; give the text of a user message")
+    out = getattr(args, "out", None)
+    if out and Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory (it is created if missing)")
 
 
 def _add_proposer_args(p, what: str):
@@ -243,6 +293,7 @@ def main(argv=None):
 
     args = parser.parse_args(argv)
     try:
+        _check_args(args)
         args.fn(args)
     except (AssetError, ValueError, FileNotFoundError) as err:
         print(f"speculators {args.cmd}: error: {err}", file=sys.stderr)

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from .data import chat_ids, eval_prompts
 from .engine import SamplingParams, SpeculativeDecoder
+from .target import check_fits
 
 
 class LosslessnessError(AssertionError):
@@ -44,8 +45,11 @@ def evaluate(target, proposers: dict, datasets: list[str], k: int, sp: SamplingP
     """Plain decoding, then each proposer, on the same prompts; greedy outputs must match exactly."""
     results = {"k": k, "temperature": sp.temperature, "top_p": sp.top_p, "max_new_tokens": sp.max_new_tokens,
                "datasets": {}}
-    for name in datasets:
-        prompts = [chat_ids(target.tokenizer, m) for m in eval_prompts(name, n_prompts)]
+    sets = {name: [chat_ids(target.tokenizer, m) for m in eval_prompts(name, n_prompts)] for name in datasets}
+    for name, prompts in sets.items():  # every prompt, before the first is decoded
+        for i, ids in enumerate(prompts):
+            check_fits(target.window, len(ids), sp.max_new_tokens, f"{name} prompt {i + 1}")
+    for name, prompts in sets.items():
         plain = run_decoder(SpeculativeDecoder(target, None, 0), prompts, sp, f"{name}: plain")
         rows = {"plain": _public(plain)}
         for pname, proposer in proposers.items():
