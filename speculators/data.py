@@ -49,10 +49,12 @@ def iter_json_array(path: Path):
 def to_messages(record: dict) -> list[dict] | None:
     """Normalize ShareGPT-style ('conversations') or OpenAI-style ('messages') records."""
     turns = record.get("conversations") or record.get("messages")
-    if not turns:
+    if not turns or not isinstance(turns, list):
         return None
     messages = []
     for turn in turns:
+        if not isinstance(turn, dict):
+            continue
         role = ROLE_NAMES.get(turn.get("from") or turn.get("role"))
         content = turn.get("value") if "value" in turn else turn.get("content")
         if role is None or not isinstance(content, str) or not content.strip():
@@ -87,23 +89,25 @@ def load_records(source: str) -> tuple[list[dict], str]:
         return [{"messages": m} for r in iter_json_array(path) if (m := to_messages(r))], "chat"
     path = Path(source).expanduser()
     if path.exists():
+        if path.is_dir():
+            raise DataError(f"{path} is a directory; give a .json, .jsonl, .parquet or .txt file")
         suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
-        if suffix == ".json":
-            try:
-                raw = json.loads(path.read_text())
-            except json.JSONDecodeError:
-                raw = list(iter_json_array(path))
-            rows = raw if isinstance(raw, list) else raw.get("data", [])
-        elif suffix in (".jsonl", ".jsonl.gz"):
-            opener = gzip.open if suffix.endswith(".gz") else open
-            with opener(path, "rt") as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-        elif suffix == ".parquet":
-            rows = load_dataset("parquet", data_files=str(path), split="train").to_list()
-        elif suffix == ".txt":
-            return [{"text": t} for t in path.read_text().split("\n\n") if t.strip()], "text"
-        else:
-            raise DataError(f"{path}: unsupported data file type {suffix!r} (use .json, .jsonl, .parquet or .txt)")
+        try:
+            if suffix == ".json":
+                rows = _json_rows(path)
+            elif suffix in (".jsonl", ".jsonl.gz"):
+                rows = _jsonl_rows(path, gzip.open if suffix.endswith(".gz") else open)
+            elif suffix == ".parquet":
+                rows = load_dataset("parquet", data_files=str(path), split="train").to_list()
+            elif suffix == ".txt":
+                return [{"text": t} for t in path.read_text(encoding="utf-8").split("\n\n") if t.strip()], "text"
+            else:
+                raise DataError(f"{path}: unsupported data file type {suffix!r} (use .json, .jsonl, .parquet or .txt)")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+                            f"give a text file") from None
+        except (OSError, EOFError) as err:  # a damaged .gz, an unreadable file
+            raise DataError(f"{path}: cannot be read ({err})") from None
     else:
         check_source(source)
         rows = load_dataset(source, split="train").to_list()
@@ -112,6 +116,42 @@ def load_records(source: str) -> tuple[list[dict], str]:
         return chats, "chat"
     texts = [{"text": r["text"]} for r in rows if isinstance(r.get("text"), str) and r["text"].strip()]
     return texts, "text"
+
+
+def _json_rows(path: Path) -> list:
+    """The records of a .json file: a top-level array (a truncated one keeps its complete elements, as
+    the offline ShareGPT copy needs) or an object with a "data" array."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        if not text.lstrip().startswith("["):
+            raise DataError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+        raw = list(iter_json_array(path))
+    rows = raw if isinstance(raw, list) else raw.get("data", []) if isinstance(raw, dict) else None
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: expected a JSON array of records or an object with a \"data\" array")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: record {i} is a {type(row).__name__}, not a JSON object")
+    return rows
+
+
+def _jsonl_rows(path: Path, opener) -> list[dict]:
+    """The records of a .jsonl file, one JSON object a line; a bad line is named by its number."""
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: a {type(row).__name__}, not a JSON object")
+            rows.append(row)
+    return rows
 
 
 def _tokenize_chats(batch, tokenizer, max_len):
