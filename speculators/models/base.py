@@ -259,9 +259,19 @@ class SpeculatorModel(nn.Module):
         missing = sorted(set(expected) - set(tensors))
         if missing:
             raise CheckpointError(f"checkpoint lacks tensors {missing[:4]}{'...' if len(missing) > 4 else ''}")
+        # One floating dtype for all weights (what save_pretrained and export write): a tensor of another
+        # dtype, float or not, is a damaged header, whose bits copy_ would convert into garbage values.
+        dtypes = [tensors[name].dtype for name in expected]
+        common = max(set(dtypes), key=dtypes.count)
+        if not common.is_floating_point:
+            common = next(iter(expected.values())).dtype
         with torch.no_grad():
             for name, dst in expected.items():
                 src = tensors[name]
+                if src.dtype != common:
+                    raise CheckpointError(f"tensor {name} has dtype {str(src.dtype).removeprefix('torch.')} where "
+                                          f"{str(common).removeprefix('torch.')} is expected (the dtype of the "
+                                          f"checkpoint's weights); its header may be damaged: export or save it again")
                 if tuple(src.shape) != tuple(dst.shape):
                     raise CheckpointError(
                         f"tensor {name} has shape {tuple(src.shape)} but the config implies {tuple(dst.shape)}"
