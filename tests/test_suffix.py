@@ -1,5 +1,6 @@
 """Suffix decoding: the trie's counts, drafts and eviction against brute force over random sequences."""
 
+import gc
 import random
 from collections import Counter
 
@@ -124,6 +125,25 @@ def test_speculate_matches_brute_force(max_depth):
         check_speculate(tree, list(seqs.values()), rng, alphabet)
 
 
+def test_speculate_sequence_equals_matching_the_sequence():
+    rng = random.Random(11)
+    for _ in range(30):
+        max_depth, alphabet = rng.choice([2, 4, 10, 24]), rng.choice([2, 3, 6])
+        seqs = {i: random_seq(rng, alphabet, rng.randint(1, 60)) for i in range(rng.randint(1, 3))}
+        tree = SuffixTree(max_depth)
+        pos = {i: 0 for i in seqs}
+        while pos:  # interleaved appends expand other sequences' compact nodes between queries
+            i = rng.choice(sorted(pos))
+            start, pos[i] = pos[i], pos[i] + rng.randint(1, 5)
+            tree.extend(i, seqs[i][start : pos[i]])
+            k, factor = rng.randint(1, 12), rng.choice([1.0, 100.0])
+            # the same match states (node, tokens below it) as matching from the root
+            assert tree._sequence_matches(i) == tree._advance([], tree.sequence(i)[-(max_depth - 1):])
+            assert tree.speculate_sequence(i, k, 0.1, factor) == tree.speculate(tree.sequence(i), k, 0.1, factor)
+            if pos[i] >= len(seqs[i]):
+                del pos[i]
+
+
 def test_eviction_leaves_the_tree_of_the_remaining_sequences():
     rng = random.Random(7)
     for trial in range(25):
@@ -138,11 +158,22 @@ def test_eviction_leaves_the_tree_of_the_remaining_sequences():
             if seqs:
                 # the cached most-frequent children must follow the decremented counts
                 check_speculate(tree, list(seqs.values()), rng, alphabet, n=15)
-        assert tree.root.children == {} and len(tree) == 0
-        # sequences added after removals are counted from scratch
-        fresh = {9: random_seq(rng, alphabet, 30)}
+        assert tree.path_counts() == {} and len(tree) == 0 and tree.num_nodes() == 1  # no node leaks
+        # sequences added after removals are counted from scratch, in the removed nodes' ids
+        fresh = {i: random_seq(rng, alphabet, 40) for i in (9, 10, 11)}
         extend_in_chunks(tree, rng, fresh)
         assert tree.path_counts() == brute_counts(fresh.values(), max_depth)
+        check_speculate(tree, list(fresh.values()), rng, alphabet, n=30)
+
+
+def test_nodes_are_not_objects_the_cycle_collector_tracks():
+    rng = random.Random(2)
+    before = len(gc.get_objects())
+    tree = SuffixTree(24)
+    for i in range(20):
+        tree.extend(i, random_seq(rng, 50, 500))
+    assert tree.num_nodes() > 10_000
+    assert len(gc.get_objects()) - before < 100  # the tree's lists and the sequences, not one per node
 
 
 def test_scores_and_min_token_prob_cutoff():
@@ -160,7 +191,14 @@ def test_scores_and_min_token_prob_cutoff():
     assert tree.speculate([4], 3) == ([], 0.0)
 
 
-def test_proposer_caches_finished_outputs_and_evicts_oldest():
+def expected_draft(depth, tokens, cached_outputs, k):
+    """The proposer's draft, brute force: the request's prompt and output against the cached outputs."""
+    local = brute_speculate(brute_counts([tokens], depth), depth, tokens, k, 0.1, 100.0)
+    cached = brute_speculate(brute_counts(cached_outputs, depth), depth, tokens, k, 0.1, 100.0)
+    return cached if cached[1] > local[1] else local
+
+
+def test_proposer_caches_outputs_as_they_grow_and_evicts_the_oldest():
     rng = random.Random(3)
     depth, cap = 8, 3
     prop = SuffixProposer(max_depth=depth, max_cached_requests=cap, max_spec_factor=100.0)
@@ -170,15 +208,57 @@ def test_proposer_caches_finished_outputs_and_evicts_oldest():
         prop.start_request(r, prompt)
         for i in range(0, len(output), 3):
             prop.append(r, output[i : i + 3])
-            tokens = prompt + output[: i + 3]
-            local = brute_speculate(brute_counts([tokens], depth), depth, tokens, 5, 0.1, 100.0)
-            cached = brute_speculate(brute_counts(outputs[-cap:], depth), depth, tokens, 5, 0.1, 100.0)
-            assert prop.speculate(r, 5) == (cached if cached[1] > local[1] else local)
+            cached = outputs[-(cap - 1):] + [output[: i + 3]]  # its own output so far is cached too
+            assert prop.speculate(r, 5) == expected_draft(depth, prompt + output[: i + 3], cached, 5)
         prop.finish_request(r)
         outputs.append(output)
         assert prop.global_tree.path_counts() == brute_counts(outputs[-cap:], depth)
+    prop.start_request("empty", [1, 2, 3])  # its place in the cache evicts the oldest output
+    prop.finish_request("empty")  # no output: the place is freed
+    assert len(prop.global_tree) == cap - 1
+    assert prop.global_tree.path_counts() == brute_counts(outputs[-(cap - 1):], depth)
     with pytest.raises(ValueError, match="unknown request 0"):
         prop.speculate(0, 3)
+
+
+def test_concurrent_requests_draft_from_each_others_outputs():
+    rng = random.Random(9)
+    depth, cap = 6, 4
+    prop = SuffixProposer(max_depth=depth, max_cached_requests=cap, max_spec_factor=100.0)
+    streams = {r: (random_seq(rng, 4, 10), random_seq(rng, 4, rng.randint(5, 40))) for r in range(16)}
+    outputs = {r: [] for r in streams}  # generated so far
+    started = []
+    waiting = list(streams)
+    while waiting or set(started) - {r for r in started if len(outputs[r]) == len(streams[r][1])}:
+        active = [r for r in started if len(outputs[r]) < len(streams[r][1])]
+        if waiting and (len(active) < 3 or rng.random() < 0.1):
+            r = waiting.pop(0)
+            prop.start_request(r, streams[r][0])
+            started.append(r)
+            continue
+        r = rng.choice(active)
+        prompt, output = streams[r]
+        new = output[len(outputs[r]) : len(outputs[r]) + rng.randint(1, 4)]
+        prop.append(r, new)
+        outputs[r] += new
+        # the cache holds the outputs of the last `cap` requests started, as far as they have got
+        cached = [outputs[q] for q in started[-cap:]]
+        assert prop.global_tree.path_counts() == brute_counts(cached, depth)
+        assert prop.speculate(r, 4) == expected_draft(depth, prompt + outputs[r], cached, 4)
+        if len(outputs[r]) == len(output):
+            prop.finish_request(r)
+
+
+def test_another_requests_output_drafts_while_it_runs():
+    prop = SuffixProposer(max_depth=8, max_cached_requests=4, max_spec_factor=100.0)
+    prop.start_request("x", [0])
+    prop.append("x", [7, 7, 7])
+    prop.finish_request("x")
+    prop.start_request("a", [1, 2, 3, 4])
+    assert prop.speculate("a", 4) == ([], 0.0)  # neither its prompt nor the cache continues (.., 3, 4)
+    prop.start_request("b", [0])
+    prop.append("b", [3, 4, 5, 6])
+    assert prop.speculate("a", 4) == ([5, 6], 2.0)
 
 
 def test_propose_from_history_tracks_one_request_at_a_time():
@@ -200,8 +280,7 @@ def test_propose_from_history_tracks_one_request_at_a_time():
             step += len(emitted)
         implicit.propose(history, 4)
         explicit.finish_request(r)  # the implicit one finishes at the next request's first call
-    implicit.propose([0], 4)
-    assert implicit.global_tree.path_counts() == explicit.global_tree.path_counts()
+        assert implicit.global_tree.path_counts() == explicit.global_tree.path_counts()
 
 
 def test_bad_arguments_name_the_fix():
