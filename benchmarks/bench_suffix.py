@@ -3,14 +3,15 @@
 Real token streams, tokenized with the default target's tokenizer:
 - `sharegpt`: multi-turn ShareGPT conversations, the prompt being every turn before the last assistant
   answer (chosen between --min-prompt and --max-prompt tokens) and the output that answer;
-- `humaneval`: the HumanEval problem as a chat prompt, the canonical solution as the output.
+- `humaneval`: the HumanEval problem as a chat prompt, the function rewritten with its canonical body
+  as the output.
 
 Each stream is decoded as greedy verification against its recorded output would: each step the
 proposer sees the history, drafts k tokens, and the step emits the drafts that match the output plus
-one more token. The first --cache requests fill the cache of finished outputs (not timed); the next
+one more token. The first --cache requests fill the cache of outputs (not timed); the next
 --requests are timed. A step's time is the `propose_scored(history, k)` call, which also appends the
 tokens emitted since the last one; the first step of a request, which builds the tree over its prompt
-and caches the previous request's output, is shown apart. Times are the thread's CPU time (what the
+and evicts the oldest cached output, is shown apart. Times are the thread's CPU time (what the
 proposer costs, whatever else the machine runs) and, for reference, the median wall time. Tokens/step
 is the teacher-forced acceptance, 1 + accepted drafts.
 vLLM's prompt lookup (`ngram_lookup`, n = 1..4) runs over the same steps for reference.
