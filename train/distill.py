@@ -5,9 +5,10 @@
 
 Any recipe key can be overridden on the command line (`--lr=3e-4`, `--report-to wandb`).
 Bad input ends in one line on stderr, `distill: error: ...`, and exit code 2, before anything is
-written. Under `accelerate launch` the launcher exits 1 whatever its process's code was (accelerate
-raises CalledProcessError, or with --multi_gpu torch's ChildFailedError, and prints its traceback
-after our line); `accelerate launch -q` leaves out that traceback.
+written. Under `accelerate launch` the same line is printed, but the launcher exits 1 whatever code
+its processes exit with: it raises CalledProcessError (one process) or torch's ChildFailedError
+(--multi_gpu) and prints that traceback after our line. `accelerate launch -q` leaves the traceback
+out (with --multi_gpu torch still prints its failure summary).
 """
 
 import argparse
