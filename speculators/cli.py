@@ -68,7 +68,7 @@ def _load_proposers(args) -> tuple[str, dict]:
         check_against_target(head, target_name)
     for model, tokenizer in loaded.values():
         check_draft_against_target(model, tokenizer, target_name)
-    from .engine import DraftModelProposer, HeadProposer, NgramProposer, TreeProposer  # the kernels: seconds
+    from .proposers import DraftModelProposer, HeadProposer, NgramProposer, TreeProposer  # the kernels: seconds
 
     proposers = {}
     if head is not None:
@@ -115,7 +115,7 @@ def _load_target(args, target_name: str, proposers: dict):
 
 
 def _sampling(args):
-    from .engine import SamplingParams
+    from .proposers import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           max_new_tokens=args.max_new_tokens, seed=args.seed)

@@ -9,7 +9,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .data import chat_ids, eval_prompts
-from .engine import SamplingParams, SpeculativeDecoder
+from .engine import SpeculativeDecoder
+from .proposers import SamplingParams
 from .target import check_fits
 
 
@@ -19,7 +20,7 @@ class LosslessnessError(AssertionError):
 
 def run_decoder(decoder: SpeculativeDecoder, prompts: list[list[int]], sp: SamplingParams, desc: str) -> dict:
     outputs, forwards, step_tokens, seconds, n_tokens = [], 0, 0, 0.0, 0
-    drafted, accepted = [0] * decoder.k, [0] * decoder.k
+    drafted, accepted, sources = [0] * decoder.k, [0] * decoder.k, {}
     for i, ids in enumerate(tqdm(prompts, desc=desc, unit="prompt", leave=False)):
         st = decoder.generate(ids, SamplingParams(**{**sp.__dict__, "seed": sp.seed + i}))
         outputs.append(st.tokens)
@@ -29,6 +30,9 @@ def run_decoder(decoder: SpeculativeDecoder, prompts: list[list[int]], sp: Sampl
         n_tokens += len(st.tokens)
         drafted = [a + b for a, b in zip(drafted, st.drafted)]
         accepted = [a + b for a, b in zip(accepted, st.accepted)]
+        for source, steps in st.sources.items():
+            sources[source] = sources.get(source, 0) + steps
+    steps = sum(sources.values())
     return {
         "tau": step_tokens / max(forwards, 1),
         "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
@@ -37,6 +41,8 @@ def run_decoder(decoder: SpeculativeDecoder, prompts: list[list[int]], sp: Sampl
         "target_forwards": forwards,
         "seconds": seconds,
         "outputs": outputs,
+        # a hybrid's share of steps per draft source (a single proposer: one source at 1.0)
+        "source_share": {name: n / steps for name, n in sorted(sources.items())} if steps else {},
     }
 
 
@@ -105,6 +111,8 @@ def summary_lines(results: dict) -> list[str]:
         for pname, r in d["results"].items():
             if pname != "plain":
                 acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+                share = r.get("source_share", {})
+                won = ("  steps won: " + ", ".join(f"{s} {v:.0%}" for s, v in share.items())) if len(share) > 1 else ""
                 lines.append(f"  {pname:>16}: tau={r['tau']:.2f}  speedup={r['speedup']:.2f}x  "
-                             f"{r['tokens_per_s']:.1f} tok/s  acceptance/pos=[{acc}]")
+                             f"{r['tokens_per_s']:.1f} tok/s  acceptance/pos=[{acc}]{won}")
     return lines

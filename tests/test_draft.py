@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 from speculators.config import ConfigError, Stage, TrainConfig, load_config
 from speculators.distill_loss import distillation_loss
 from speculators.draft import build_draft, check_vocab
-from speculators.engine import DraftModelProposer, SamplingParams, SpeculativeDecoder
+from speculators.engine import SpeculativeDecoder
+from speculators.proposers import DraftModelProposer, SamplingParams
 from speculators.kernels.fused_linear_divergence import per_token_divergence
 from speculators.stage_data import onpolicy_seed, takes_onpolicy_batch
 from speculators.target import Target

@@ -12,7 +12,10 @@ import sys
 import pytest
 import torch
 
-from speculators.engine import HeadProposer, NgramProposer, SamplingParams, SpeculativeDecoder, TreeProposer
+from speculators.engine import SpeculativeDecoder
+from speculators.proposers import (Draft, HeadProposer, HybridConfig, HybridProposer, NgramProposer, Proposer,
+                                   SamplingParams, SuffixLookupProposer, TreeProposer, add_path, choose_source,
+                                   ngram_lookup)
 from speculators.kernels.tree import paths_to_tree
 from speculators.models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculatorConfig
 from speculators.target import Target
@@ -35,21 +38,20 @@ def prompts(target, n=3):
     return [torch.randint(100, 20000, (int(torch.randint(3, 12, ())),)).tolist() for _ in range(n)]
 
 
-class ReplayProposer:
-    """Proposes the true greedy continuation with every other token corrupted: exercises long
+class ReplayProposer(Proposer):
+    """Proposes the true greedy continuation with every fifth token corrupted: exercises long
     accepted runs, rejections at every position and the bonus token."""
-
-    needs_hidden = False
 
     def __init__(self, reference):
         self.reference = reference
 
-    def propose(self, history, k):
+    def propose(self, step, k):
+        history = step.history
         for ref in self.reference:
             if history[: len(ref)] == ref[: len(history)] and len(history) < len(ref):
                 nxt = ref[len(history) : len(history) + k]
-                return [t if (len(history) + j) % 5 else (t + 1) % 49152 for j, t in enumerate(nxt)]
-        return []
+                return Draft([t if (len(history) + j) % 5 else (t + 1) % 49152 for j, t in enumerate(nxt)])
+        return Draft([])
 
 
 def proposers(target, plain_outputs):
@@ -59,6 +61,10 @@ def proposers(target, plain_outputs):
         "mlp": HeadProposer(on_device(MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, n_predict=4)))),
         "medusa": HeadProposer(on_device(Medusa(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=4)))),
         "ngram": NgramProposer(1, 4),
+        "suffix": SuffixLookupProposer(),
+        "hybrid-mlp": HybridProposer(HeadProposer(on_device(MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, n_predict=4))))),
+        "hybrid-medusa": HybridProposer(HeadProposer(on_device(Medusa(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=4)))),
+                                        HybridConfig(margin=-1.0)),  # takes any lookup draft
         "replay": ReplayProposer(plain_outputs),
     }
 
@@ -99,10 +105,77 @@ def test_top_k_one_sampling_is_greedy_decoding(tiny_target):
 
 
 def test_ngram_rule():
-    ng = NgramProposer(1, 4)
-    assert ng.propose([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # longest suffix 1 2 3 -> what followed it
-    assert ng.propose([5, 6, 7], 2) == []
-    assert ng.propose([4, 1, 4], 2) == [1, 4]
+    assert ngram_lookup([1, 2, 3, 9, 1, 2, 3], 3, 1, 4) == [9, 1, 2]  # longest suffix 1 2 3 -> what followed it
+    assert ngram_lookup([5, 6, 7], 2, 1, 4) == []
+    assert ngram_lookup([4, 1, 4], 2, 1, 4) == [1, 4]
+
+
+def test_choose_source_rule():
+    assert choose_source(0, 0.0, 3, 0.4) == "heads"  # no lookup draft
+    assert choose_source(4, 2.5, 0, 0.0) == "lookup"  # no heads draft
+    assert choose_source(4, 1.2, 3, 0.4) == "lookup"  # the lookup expects more accepted tokens
+    assert choose_source(4, 0.3, 3, 0.4) == "heads"
+    assert choose_source(4, 0.4, 3, 0.4) == "lookup"  # a tie goes to the lookup (no more costly to verify)
+    assert choose_source(4, 0.9, 3, 0.4, margin=0.6) == "heads"
+
+
+def test_hybrid_takes_confident_lookup_and_tracks_the_heads(tiny_target):
+    """A request seen before: the lookup finds the whole answer among cached outputs, drafts it with a
+    high score and wins; the heads' expected accepted tokens follow what the target emitted."""
+    D, V = tiny_target.hidden_size, tiny_target.vocab_size
+    torch.manual_seed(0)
+    hybrid = HybridProposer(HeadProposer(on_device(MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=D, n_predict=3)))),
+                            HybridConfig(heads_expected=0.5))
+    dec, p, sp = SpeculativeDecoder(tiny_target, hybrid, 3), prompts(tiny_target, 1)[0], SamplingParams(max_new_tokens=16)
+    first = dec.generate(p, sp)
+    again = dec.generate(p, sp)
+    assert again.tokens == first.tokens
+    assert again.sources["lookup"] > 0 and sum(again.sources.values()) == again.target_forwards
+    assert again.target_forwards < first.target_forwards  # the cached answer is accepted several tokens a step
+    assert hybrid.expected < 0.5  # random heads: the target confirms almost none of their tokens
+
+
+def test_add_path_merges_a_lookup_branch():
+    tree = paths_to_tree(torch.tensor([7]), torch.tensor([[[1, 2, -1], [1, 3, 4]]]))
+    merged = add_path(tree, [1, 2, 5])  # shares 1 -> 2 with the first path
+    n = int(merged.num_nodes[0])
+    assert n == int(tree.num_nodes[0]) + 1
+    nodes = {(int(merged.parents[0, i]), int(merged.tree_tokens[0, i])) for i in range(1, n)}
+    two = next(i for i in range(1, n) if int(merged.tree_tokens[0, i]) == 2)
+    assert (two, 5) in nodes and len(nodes) == n - 1
+
+
+def test_hybrid_sampling_keeps_the_target_distribution(tiny_target):
+    """Lookup drafts are one-hot proposals: sampled decoding with the hybrid must draw the first two
+    tokens with the target's own joint probability (top-k 6, T 0.7, computed exactly from its logits).
+    The prompt repeats itself, so the lookup drafts on the first verification step; chi-squared over
+    400 seeds."""
+    from scipy.stats import chisquare
+
+    prompt = prompts(tiny_target, 1)[0][:4] * 4
+    T, top = 0.7, 6
+
+    def probs(ids):
+        logits = tiny_target(torch.tensor([ids], device=DEVICE)).logits[0, -1].double().cpu()
+        vals, idx = logits.topk(top)
+        return dict(zip(idx.tolist(), torch.softmax(vals / T, -1).tolist()))
+
+    with torch.no_grad():
+        joint = {(a, b): pa * pb for a, pa in probs(prompt).items() for b, pb in probs(prompt + [a]).items()}
+    hybrid = HybridProposer(HeadProposer(on_device(MLPSpeculator(MLPSpeculatorConfig(
+        vocab_size=tiny_target.vocab_size, emb_dim=tiny_target.hidden_size, n_predict=3)))), HybridConfig(margin=-1.0))
+    dec, n = SpeculativeDecoder(tiny_target, hybrid, 3), 400
+    counts = {}
+    for seed in range(n):
+        pair = tuple(dec.generate(prompt, SamplingParams(temperature=T, top_k=top, max_new_tokens=2, seed=seed)).tokens)
+        assert pair in joint, pair  # never a token outside the top-k
+        counts[pair] = counts.get(pair, 0) + 1
+    assert hybrid.wins["lookup"] > n // 2  # the lookup drafted on most first steps
+    cells = sorted(joint, key=joint.get, reverse=True)
+    big = [c for c in cells if joint[c] * n >= 5]  # chi-squared needs expected counts; the rest is one cell
+    observed = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
+    expected = [joint[c] * n for c in big] + [n - sum(joint[c] * n for c in big)]
+    assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
 
 
 class ReplayTreeProposer(TreeProposer):
@@ -114,7 +187,8 @@ class ReplayTreeProposer(TreeProposer):
     def __init__(self, reference: list[int], start: int):
         self.reference, self.pos, self.typical = reference, start, False
 
-    def propose_tree(self, hidden, token, k):
+    def propose(self, step, k):
+        token = step.history[-1]
         assert self.reference[self.pos] == token
         nxt = self.reference[self.pos + 1 : self.pos + 1 + k]
         self.pos += len(nxt) + 1
@@ -137,7 +211,9 @@ def test_tree_drafting_is_lossless(tiny_target):
     medusa.init_from_target(None, tiny_target.lm_head.weight)
     for p, expected in zip(ps, plain):
         replay = ReplayTreeProposer(p + expected, len(p))
-        for name, proposer in (("mlp", TreeProposer(mlp)), ("medusa", TreeProposer(medusa)), ("replay", replay)):
+        for name, proposer in (("mlp", TreeProposer(mlp)), ("medusa", TreeProposer(medusa)), ("replay", replay),
+                               ("hybrid-mlp", HybridProposer(TreeProposer(mlp))),
+                               ("hybrid-medusa", HybridProposer(TreeProposer(medusa)))):
             st = SpeculativeDecoder(tiny_target, proposer, 3).generate(p, sp)
             assert st.tokens == expected, name
             assert st.steps_tokens == len(st.tokens) - 1

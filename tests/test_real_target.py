@@ -9,7 +9,7 @@ import torch
 
 from speculators.assets import fetch
 from speculators.data import build_dataset, chat_ids, eval_prompts, iter_json_array
-from speculators.engine import HeadProposer, NgramProposer, SamplingParams, TreeProposer
+from speculators.proposers import HeadProposer, NgramProposer, SamplingParams, TreeProposer
 from speculators.evaluate import evaluate
 from speculators.models import MLPSpeculator, MLPSpeculatorConfig
 from speculators.target import Target, resolve_model_path

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import speculators.vllm_plugin as plugin
-from speculators.engine import HeadProposer
+from speculators.proposers import HeadProposer, SamplingParams, StepInput
 from speculators.models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculatorConfig
 from speculators.vllm_plugin import routing
 from speculators.vllm_plugin.proposer import SpeculatorsProposer
@@ -109,6 +109,10 @@ def test_route_aliases_and_k_checks(export_dir, version):
 
 
 @dataclass
+def head_drafts(reference: HeadProposer, hidden: torch.Tensor, token: int) -> list[int]:
+    return reference.propose(StepInput([int(token)], hidden, SamplingParams(), 0), 3).tokens
+
+
 class FakeSpecDecodeMetadata:  # the one field of vLLM's SpecDecodeMetadata the proposer reads
     num_draft_tokens: list[int]
 
@@ -131,11 +135,11 @@ def test_proposer_rows_match_our_engine(kind):
     drafts = proposer.propose(sampled, None, None)
     rows = [1, 4, 8]  # offset + len(tokens) - 1, offsets 0, 4, 5
     for i, row in zip(range(3), rows):
-        assert drafts[i] == reference.propose(hidden[row], sampled[i][-1], 3)
+        assert drafts[i] == head_drafts(reference, hidden[row], sampled[i][-1])
     assert drafts[3] == []
     # Step without drafts (one row per request).
     hidden = torch.randn(2, D)
     proposer.set_runner_inputs(hidden, None)
-    assert proposer.propose([[9], [10]], None, None) == [reference.propose(hidden[i], t, 3) for i, t in ((0, 9), (1, 10))]
+    assert proposer.propose([[9], [10]], None, None) == [head_drafts(reference, hidden[i], t) for i, t in ((0, 9), (1, 10))]
     with pytest.raises(RuntimeError, match="did not hand over its hidden states"):
         proposer.propose([[9]], None, None)  # inputs are consumed once

@@ -146,7 +146,8 @@ def our_results(spec: dict) -> dict:
     The plain run and the draft model go first; the heads wait until the fixture has trained them.
     """
     from speculators.draft import load_draft
-    from speculators.engine import DraftModelProposer, HeadProposer, SamplingParams, SpeculativeDecoder
+    from speculators.engine import SpeculativeDecoder
+    from speculators.proposers import DraftModelProposer, HeadProposer, SamplingParams
     from speculators.export.vllm_format import load_speculator
     from speculators.target import Target
 
