@@ -3,7 +3,7 @@
 Speculative decoding pays one target forward over k+1 tokens per step, so its speedup depends on
 that forward costing little more than a 1-token forward (the GEMMs stay weight-bandwidth-bound).
 torch's CPU BLAS (MKL) takes a much slower fp32 path for a few rows on AMD CPUs by default; setting
-MKL_CBWR (which `import speculators` does) avoids it. MKL reads the variable at its first GEMM, so
+MKL_CBWR (which the `speculators` entry points do) avoids it. MKL reads the variable at its first GEMM, so
 each setting runs in its own process; the two run one after the other in one invocation.
 
 It also times the batch-1 proposal's GEMV through a [16384 x 576] fp32 head (the quick recipe's draft
@@ -68,7 +68,7 @@ def main():
         print(json.dumps(measure(args.target, args.tokens, args.reps, args.threads)))
         return
     rows = {}
-    # An empty value keeps MKL's default and stops `import speculators` setting one.
+    # An empty value keeps MKL's default.
     for label, cbwr in (("MKL default", ""), ("MKL_CBWR=AUTO", "AUTO")):
         env = {**os.environ, "MKL_CBWR": cbwr}
         out = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env, check=True,

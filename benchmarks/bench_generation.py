@@ -78,4 +78,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from speculators.runtime import configure_process
+
+    configure_process()  # what the `speculators` CLI sets: MKL_CBWR before the first GEMM, an offline Hub
     main()

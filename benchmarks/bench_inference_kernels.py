@@ -432,4 +432,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from speculators.runtime import configure_process
+
+    configure_process()  # what the `speculators` CLI sets: MKL_CBWR before the first GEMM, an offline Hub
     main()

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .assets import CHUNKED_MODELS, AssetError
+from .runtime import configure_process
 
 
 def _fetch(args):
@@ -257,6 +258,7 @@ def _add_proposer_args(p, what: str):
 
 
 def main(argv=None):
+    configure_process()
     parser = argparse.ArgumentParser(prog="speculators", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
 

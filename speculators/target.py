@@ -15,9 +15,6 @@ from torch import nn
 
 from .assets import CHUNKED_MODELS, DEFAULT_TARGET, AssetError, chunked_model_dir, default_target_dir
 
-# Offline by default: nothing here reaches the Hub unless the user says HF_HUB_OFFLINE=0.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 
 def resolve_model_path(name: str) -> tuple[str, str | None]:
     """(directory or Hub id, gguf file name or None) for a user-given model name."""

@@ -233,16 +233,30 @@ def test_tree_sampling_needs_typical_acceptance(tiny_target):
     assert len(out.tokens) == 8
 
 
-@pytest.mark.parametrize("preset, expected", [(None, "AUTO"), ("COMPATIBLE", "COMPATIBLE")])
-def test_import_sets_mkl_cbwr_unless_the_user_did(preset, expected):
-    """The verification forward's speed on AMD CPUs rests on MKL_CBWR being set before MKL's first
-    GEMM, that is when the package is imported; a user's own value is kept."""
-    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
-    if preset is not None:
-        env["MKL_CBWR"] = preset
-    code = "import os, speculators; print(os.environ['MKL_CBWR'])"
+PROCESS_VARS = ("MKL_CBWR", "HF_HUB_OFFLINE")
+
+
+def test_importing_the_package_changes_no_environment_variable():
+    """A library import leaves the caller's process as it was; the entry points set what they need."""
+    env = {k: v for k, v in os.environ.items() if k not in PROCESS_VARS}
+    code = ("import os; before = dict(os.environ); import speculators, speculators.target, speculators.engine, "
+            "speculators.cli, speculators.vllm_plugin; print(dict(os.environ) == before)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == expected
+    assert out.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("preset", [None, {"MKL_CBWR": "COMPATIBLE", "HF_HUB_OFFLINE": "0"}])
+def test_entry_points_set_mkl_cbwr_and_offline_hub_unless_the_user_did(preset):
+    """The verification forward's speed on AMD CPUs rests on MKL_CBWR being set before MKL's first
+    GEMM, and the CLI stays off the Hub unless told: `speculators` sets both first thing, keeping a
+    user's own values. The environment is read where the subcommand runs."""
+    env = {k: v for k, v in os.environ.items() if k not in PROCESS_VARS}
+    env.update(preset or {})
+    code = ("import os, sys, speculators.cli as c\n"
+            "c._fetch = lambda args: print(os.environ['MKL_CBWR'], os.environ['HF_HUB_OFFLINE'])\n"
+            "sys.argv = ['speculators', 'fetch']; c.main()")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == (["COMPATIBLE", "0"] if preset else ["AUTO", "1"])
 
 
 def run_generate(*args):

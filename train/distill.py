@@ -16,6 +16,7 @@ import sys
 
 from speculators.assets import AssetError
 from speculators.config import ConfigError, TrainConfig, load_config
+from speculators.runtime import configure_process
 
 
 def check_target(cfg: TrainConfig) -> None:
@@ -36,6 +37,7 @@ def check_target(cfg: TrainConfig) -> None:
 
 
 def main():
+    configure_process()  # before torch's first matrix product and before huggingface_hub is imported
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a recipe in train/configs/")
     parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")

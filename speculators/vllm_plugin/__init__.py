@@ -68,10 +68,14 @@ def check_vllm_version() -> str:
 def register() -> None:
     """Entry point for `vllm.general_plugins`: called once in every vLLM process.
 
-    Only wraps `EngineArgs.create_speculative_config`, which passes any speculative config that is
-    not one of our exports through unchanged. The model-runner wrapper is installed later, and only
+    Sets MKL_CBWR=AUTO unless the user set it (speculators.runtime: the CPU verification forward's
+    speed; MKL reads it at its first matrix product, after this) and wraps
+    `EngineArgs.create_speculative_config`, which passes any speculative config that is not one of our
+    exports through unchanged. The model-runner wrapper is installed later, and only
     in processes that build our proposer.
     """
+    from ..runtime import configure_process
     from .routing import install_config_hook
 
+    configure_process(hub_offline=False)  # vLLM loads plugins before any model work; its Hub use is vLLM's
     install_config_hook()
