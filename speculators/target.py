@@ -130,21 +130,6 @@ def load_tokenizer(path: str, **kwargs):
     return tokenizer
 
 
-def convert_gguf_to_safetensors(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF checkpoint once into an ordinary safetensors model directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tmp = out_dir.with_name(out_dir.name + ".part")
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    # A GGUF-loaded model refuses save_pretrained until its quantization config is dropped;
-    # the weights are already dequantized floats.
-    model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    tmp.replace(out_dir)
-
-
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor in full: a sharded one (a DTensor of a sharded target) is all-gathered, a collective that
     every process must call in the same order."""

