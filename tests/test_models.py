@@ -220,10 +220,7 @@ def test_mlp_draft_vocab_proposes_as_vllm_reads_the_full_heads(signed):
     else:
         m = mlp()
     live = torch.tensor([5, 17, 60])
-    with torch.no_grad():
-        cold = torch.ones(V, dtype=torch.bool)
-        cold[live] = False
-        m.head_weight[:, cold] = 0
+    m.keep_vocab_(live)
     m = m.double()
     assert torch.equal(m.draft_vocab(), live)
     assert (m.signed_readout() is not None) == signed
@@ -233,3 +230,113 @@ def test_mlp_draft_vocab_proposes_as_vllm_reads_the_full_heads(signed):
     assert torch.equal(drafts, reference_mlp(m.vllm_state_dict(), m.config, h, tok, 3))
     assert bool(torch.isin(drafts, live).any()) and not bool(torch.isin(drafts, live).all())  # both cases ran
     assert set(drafts[~torch.isin(drafts, live)].tolist()) == {0}  # the lowest-id zero row
+
+
+def draft_vocab_models():
+    """An MLP speculator and Medusa heads (per-head and shared lm heads), each kept to a draft vocabulary."""
+    torch.manual_seed(6)
+    models = [mlp(), Medusa(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=3)),
+              Medusa(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=3, original_lm_head=True))]
+    for m in models:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.normal_(0, 0.3)
+        m.keep_vocab_(torch.tensor([60, 5, 17, 5, 90, 33]))  # unsorted, one repeat
+    return models
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_draft_vocab_is_saved_and_loaded(tmp_path, which):
+    """The draft vocabulary is stored explicitly: config.json's speculators_draft_vocab_size and an int64
+    draft_vocab_ids tensor (ascending) beside vLLM's tensors, whose names, shapes and values are those of
+    the same heads saved without it; loading (from_pretrained, or load_weights as a resumed run does)
+    gives it back."""
+    from speculators.models.base import read_safetensors
+
+    m = draft_vocab_models()[which]
+    ids = torch.tensor([5, 17, 33, 60, 90])
+    assert torch.equal(m.draft_vocab(), ids)
+    m.save_pretrained(tmp_path / "ckpt")
+    sd = load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert sd["draft_vocab_ids"].dtype == torch.int64 and torch.equal(sd.pop("draft_vocab_ids"), ids)
+    vllm = m.vllm_state_dict()
+    assert set(sd) == set(vllm) and all(torch.equal(sd[k], vllm[k]) for k in sd)
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert cfg.pop("speculators_draft_vocab_size") == 5
+    fresh = type(m)(type(m.config)(**{**m.config.__dict__, "speculators_draft_vocab_size": 0}))
+    fresh_cfg = fresh.config.to_json()
+    assert fresh.draft_vocab() is None and fresh_cfg.pop("speculators_draft_vocab_size") == 0 and cfg == fresh_cfg
+    loaded = type(m).from_pretrained(tmp_path / "ckpt")
+    assert torch.equal(loaded.draft_vocab(), ids) and loaded.config.speculators_draft_vocab_size == 5
+    fresh.load_weights(read_safetensors(tmp_path / "ckpt" / "model.safetensors"))
+    assert torch.equal(fresh.draft_vocab(), ids) and fresh.config.speculators_draft_vocab_size == 5
+    h, tok = torch.randn(16, D), torch.randint(0, V, (16,))
+    assert torch.equal(loaded.propose(h, tok, 3), m.propose(h, tok, 3))
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_draft_vocab_proposals_equal_full_vocabulary_proposals(which):
+    """Proposing from the draft vocabulary's rows gives exactly the chains (and Medusa's trees) of the
+    same heads read in full (no draft vocabulary), whose other rows are zero. The MLP speculator's trees
+    rank paths by log-probabilities normalized over the rows read, so they are left out here."""
+    m = draft_vocab_models()[which].double()
+    full = type(m)(m.config)
+    full.load_state_dict(m.state_dict())  # the weights alone: the ids are not in state_dict
+    full = full.double()
+    assert full.draft_vocab() is None and m.proposal_vocab() is not None
+    h, tok = torch.randn(64, D, dtype=torch.float64), torch.randint(0, V, (64,))
+    for k in (1, 3):
+        assert torch.equal(m.propose(h, tok, k), full.propose(h, tok, k))
+    if isinstance(m, Medusa):
+        a, b = m.propose_tree(h, tok), full.propose_tree(h, tok)
+        assert torch.equal(a.tree_tokens, b.tree_tokens) and torch.equal(a.parents, b.parents)
+
+
+def test_draft_vocab_of_a_checkpoint_without_ids_is_read_from_its_zero_rows(tmp_path):
+    """A checkpoint that marks its draft vocabulary only by all-zero head rows gets it at load, and saves
+    it explicitly from then on."""
+    m = draft_vocab_models()[0]
+    m.save_pretrained(tmp_path / "ckpt")
+    sd = load_file(tmp_path / "ckpt" / "model.safetensors")
+    del sd["draft_vocab_ids"]
+    from safetensors.torch import save_file
+    save_file(sd, str(tmp_path / "ckpt" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del cfg["speculators_draft_vocab_size"]
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
+    loaded = MLPSpeculator.from_pretrained(tmp_path / "ckpt")
+    assert torch.equal(loaded.draft_vocab(), m.draft_vocab()) and loaded.config.speculators_draft_vocab_size == 5
+    loaded.save_pretrained(tmp_path / "again")
+    assert torch.equal(load_file(tmp_path / "again" / "model.safetensors")["draft_vocab_ids"], m.draft_vocab())
+    assert MLPSpeculator.from_pretrained(tmp_path / "again").draft_vocab() is not None
+    assert mlp().draft_vocab() is None  # heads without zero rows: the whole vocabulary
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("drop_ids", "lack the draft_vocab_ids"),
+    ("size", "speculators_draft_vocab_size implies"),
+    ("unsorted", "not ascending"),
+    ("out_of_range", "not ascending"),
+    ("live_row", "not zero"),
+])
+def test_inconsistent_draft_vocab_is_refused(tmp_path, damage, needle):
+    from safetensors.torch import save_file
+
+    from speculators.models.base import CheckpointError
+
+    m = draft_vocab_models()[1]
+    m.save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    if damage == "drop_ids":
+        del sd["draft_vocab_ids"]
+    elif damage == "size":
+        sd["draft_vocab_ids"] = sd["draft_vocab_ids"][:4]
+    elif damage == "unsorted":
+        sd["draft_vocab_ids"] = sd["draft_vocab_ids"].flip(0)
+    elif damage == "out_of_range":
+        sd["draft_vocab_ids"][-1] = V
+    else:
+        sd["lm_heads.1.weight"][0, 0] = 1.0
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=needle):
+        Medusa.from_pretrained(tmp_path)

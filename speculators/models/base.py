@@ -22,6 +22,11 @@ from torch import nn
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+# The draft vocabulary's token ids, int64 [N] ascending, beside the weights in WEIGHTS_NAME. vLLM's
+# mlp_speculator and medusa loaders (every version) look each checkpoint tensor up among their parameters
+# and skip names they lack, so the extra tensor leaves their loading unchanged; it is not named
+# "token_map", the one extra name vLLM's Medusa loader reads.
+DRAFT_VOCAB_TENSOR = "draft_vocab_ids"
 
 
 class CheckpointError(ValueError):
@@ -73,7 +78,7 @@ def read_safetensors(path: Path, allow_pickle: bool = False) -> dict[str, torch.
     # without complaint and the bits, read as integers, become weights of 1e9. Weights are floating point.
     floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
     for name, t in tensors.items():
-        if not t.is_floating_point():
+        if not t.is_floating_point() and not (name == DRAFT_VOCAB_TENSOR and t.dtype == torch.int64):
             expected = str(max(set(floats), key=floats.count)).removeprefix("torch.") if floats else "floating point"
             raise CheckpointError(f"{path}: tensor {name} has dtype {str(t.dtype).removeprefix('torch.')} where "
                                   f"{expected} is expected; the file's header may be damaged: export or save it again")
@@ -182,6 +187,12 @@ class SpeculatorModel(nn.Module):
 
     config_class = None  # a dataclass with MODEL_TYPE, IGNORED_KEYS and to_json()
 
+    def __init__(self):
+        super().__init__()
+        # draft_vocab(), set by keep_vocab_ or a load: a buffer, so .to() moves it with the heads, kept out
+        # of state_dict() since save_pretrained writes it under its own name (DRAFT_VOCAB_TENSOR)
+        self.register_buffer("draft_vocab_ids", None, persistent=False)
+
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
@@ -195,10 +206,15 @@ class SpeculatorModel(nn.Module):
 
     @torch.no_grad()
     def keep_vocab_(self, keep: torch.Tensor) -> None:
-        """Restrict every head to the token ids `keep` (a draft vocabulary, as FR-Spec): every other row
-        is set to zero. The loss reads only the kept rows, so a zero row gets no gradient and no
-        optimizer update and stays zero; vLLM loads such heads unchanged."""
-        self.vocab_heads()[:, self._rows_outside(keep)] = 0
+        """Restrict every head to the token ids `keep` (a draft vocabulary, as FR-Spec): they become
+        draft_vocab(), saved with the weights, and every other row is set to zero. The loss reads only
+        the kept rows, so a zero row gets no gradient and no optimizer update and stays zero; vLLM loads
+        such heads unchanged and computes the same proposals from all rows."""
+        heads = self.vocab_heads()
+        ids = torch.unique(keep.to(device=heads.device, dtype=torch.int64))  # ascending, each once
+        heads[:, self._rows_outside(ids)] = 0
+        self.draft_vocab_ids = ids
+        self.config.speculators_draft_vocab_size = len(ids)
 
     def _rows_outside(self, ids: torch.Tensor) -> torch.Tensor:
         """Mask [vocab] of the head rows not in `ids`."""
@@ -207,10 +223,9 @@ class SpeculatorModel(nn.Module):
         return others
 
     def draft_vocab(self) -> torch.Tensor | None:
-        """Ascending ids of the tokens this speculator can propose, when training kept it to a draft
-        vocabulary (`draft_vocab`: every other head row is zero), else None."""
-        live = self.vocab_heads().detach().ne(0).any(-1).any(0)
-        return None if bool(live.all()) else live.nonzero().squeeze(1)
+        """Ascending ids [N] of the tokens this speculator can propose, when training kept it to a draft
+        vocabulary (`draft_vocab` in a recipe, see keep_vocab_), else None."""
+        return self.draft_vocab_ids
 
     def proposal_vocab(self) -> torch.Tensor | None:
         """The head rows proposing reads: the draft vocabulary plus its lowest-id zero rows, as many as
@@ -223,12 +238,46 @@ class SpeculatorModel(nn.Module):
         zero_rows = self._rows_outside(draft).nonzero().squeeze(1)
         return torch.cat([draft, zero_rows[: self.widest_topk()]]).sort().values
 
+    def _load_draft_vocab(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take the draft vocabulary from loaded tensors (DRAFT_VOCAB_TENSOR), after load_weights copied
+        the heads, checking it against the config and the heads' zero rows."""
+        ids, declared = tensors.get(DRAFT_VOCAB_TENSOR), self.config.speculators_draft_vocab_size
+        heads = self.vocab_heads().detach()
+        if ids is None:
+            if declared:
+                raise CheckpointError(f"config.json declares speculators_draft_vocab_size {declared} but the "
+                                      f"weights lack the {DRAFT_VOCAB_TENSOR} tensor; save or export the "
+                                      f"checkpoint again")
+            # Checkpoints saved before the ids were stored mark the draft vocabulary only by all-zero head
+            # rows: it is read from them here, once, and stored like an explicit one.
+            live = heads.ne(0).any(-1).any(0)
+            self.draft_vocab_ids = None if bool(live.all()) else live.nonzero().squeeze(1)
+            if self.draft_vocab_ids is not None:
+                self.config.speculators_draft_vocab_size = len(self.draft_vocab_ids)
+            return
+        vocab = heads.shape[-2]
+        if ids.dim() != 1 or not len(ids) or (declared and len(ids) != declared):
+            raise CheckpointError(f"tensor {DRAFT_VOCAB_TENSOR} has shape {tuple(ids.shape)} where config.json's "
+                                  f"speculators_draft_vocab_size implies ({declared or 'N >= 1'},); save or export "
+                                  f"the checkpoint again")
+        if bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < 0 or int(ids[-1]) >= vocab:
+            raise CheckpointError(f"tensor {DRAFT_VOCAB_TENSOR} is not ascending distinct token ids below the "
+                                  f"vocabulary size {vocab}; save or export the checkpoint again")
+        ids = ids.to(heads.device)
+        if bool(heads[:, self._rows_outside(ids)].ne(0).any()):
+            raise CheckpointError(f"head rows outside {DRAFT_VOCAB_TENSOR} are not zero, so vLLM would propose "
+                                  f"tokens outside the draft vocabulary; save or export the checkpoint again")
+        self.draft_vocab_ids = ids
+        self.config.speculators_draft_vocab_size = len(ids)
+
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         def write(tmp: Path):
             tensors = {k: v.detach().contiguous().cpu() for k, v in self.vllm_state_dict().items()}
+            if self.draft_vocab_ids is not None:
+                tensors[DRAFT_VOCAB_TENSOR] = self.draft_vocab_ids.cpu()
             save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
             (tmp / CONFIG_NAME).write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
 

@@ -40,6 +40,7 @@ class MedusaConfig:
     medusa_fc_bias: bool = True
     logit_scale: float = 1.0
     original_lm_head: bool = False  # True: one shared lm head (the target's, frozen)
+    speculators_draft_vocab_size: int = 0  # tokens the heads propose (draft_vocab); 0: all; vLLM ignores it
     speculators_target: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -152,3 +153,4 @@ class Medusa(SpeculatorModel):
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         tensors = {k.replace("medusa_heads.", ""): v for k, v in tensors.items()}
         self._check_and_copy(tensors, self.vllm_state_dict())
+        self._load_draft_vocab(tensors)

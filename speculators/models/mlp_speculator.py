@@ -40,6 +40,7 @@ class MLPSpeculatorConfig:
     n_candidates: int = 5
     tie_weights: bool = False
     scale_input: bool = False
+    speculators_draft_vocab_size: int = 0  # tokens the heads propose (draft_vocab); 0: all; vLLM ignores it
     speculators_target: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -237,3 +238,4 @@ class MLPSpeculator(SpeculatorModel):
         # vLLM strips any "speculator." prefix; do the same so fms-extras checkpoints load too.
         tensors = {k.replace("speculator.", ""): v for k, v in tensors.items()}
         self._check_and_copy(tensors, dict(self.vllm_state_dict()))
+        self._load_draft_vocab(tensors)
