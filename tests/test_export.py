@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,38 @@ from speculators.models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculato
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "speculators.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def table_rows(text: str, header: str) -> list[str]:
+    """The Markdown table that starts with the line `header`, row by row."""
+    lines = text.splitlines()
+    start = lines.index(header)
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+VLLM_HEADER = "| vLLM | MLP speculator | Medusa | draft model |"
+
+
+def readme_vllm_table() -> list[str]:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Loading an export in vLLM", 1)[1].split("\n## ", 1)[0]
+    return table_rows(section, VLLM_HEADER)
+
+
+def card_table(card: str) -> list[str]:
+    return table_rows(card, VLLM_HEADER)
+
+
+def test_the_readme_table_is_the_model_cards():
+    """The README's vLLM table and every model card say the same about each version: both are
+    VLLM_TABLE, so a change to one without the other fails here."""
+    from speculators.export.vllm_format import VLLM_TABLE, VLLM_TABLE_INTRO, vllm_table
+
+    assert readme_vllm_table() == vllm_table().splitlines()
+    assert len(readme_vllm_table()) == len(VLLM_TABLE) + 1
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert VLLM_TABLE_INTRO in readme
 
 
 def one_line_error(proc, *needles):
@@ -46,7 +79,9 @@ def test_export_mlp(tmp_path, mlp_ckpt):
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["model_type"] == "mlp_speculator" and cfg["emb_dim"] == 64
     card = (tmp_path / "out" / "README.md").read_text()
-    assert "speculative_model=" in card and "speculative_config=" in card
+    assert f"MLP speculator column: DIR is `{tmp_path / 'out'}`, k at most 3" in card
+    assert "speculators[vllm]" in card  # the plugin, which MLP speculators need on vLLM 0.32+
+    assert card_table(card) == readme_vllm_table()
     umask = os.umask(0)
     os.umask(umask)
     for f in (tmp_path / "out").iterdir():  # readable by a vLLM server running as another user
@@ -62,6 +97,8 @@ def test_export_medusa_bf16(tmp_path, tiny_target_dir):
     assert sd["lm_heads.1.weight"].dtype == torch.bfloat16
     assert set(sd) == {"blocks.0.layers.0.weight", "blocks.0.layers.0.bias", "blocks.1.layers.0.weight",
                        "blocks.1.layers.0.bias", "lm_heads.0.weight", "lm_heads.1.weight"}
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "Medusa column" in card and card_table(card) == readme_vllm_table()
 
 
 def test_non_empty_out_needs_force(tmp_path, mlp_ckpt):
