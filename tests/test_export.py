@@ -164,3 +164,44 @@ def test_missing_paths(tmp_path, mlp_ckpt):
     one_line_error(run_cli("export", tmp_path / "nope", "--out", tmp_path / "o"), "no checkpoint")
     one_line_error(run_cli("export", mlp_ckpt, "--out", tmp_path / "o", "--target", tmp_path / "no-model"),
                    "model not found")
+
+
+@pytest.mark.parametrize("kind", ["mlp_speculator", "medusa"])
+def test_export_keeps_the_draft_vocabulary(tmp_path, tiny_target_dir, kind):
+    """A draft vocabulary exports as config.json's speculators_draft_vocab_size and an int64
+    draft_vocab_ids tensor; vLLM's tensors keep their names, shapes and bytes (the rows outside the draft
+    vocabulary zero), and the config is unchanged otherwise. A checkpoint marking the vocabulary only by
+    zero rows exports to the same bytes."""
+    torch.manual_seed(0)
+    target = {"name": str(tiny_target_dir), "architecture": "LlamaForCausalLM"}
+    m = (MLPSpeculator(MLPSpeculatorConfig(vocab_size=49152, emb_dim=64, n_predict=3, speculators_target=target))
+         if kind == "mlp_speculator" else
+         Medusa(MedusaConfig(hidden_size=64, vocab_size=49152, num_heads=2, speculators_target=target)))
+    full_cfg = m.config.to_json()
+    ids = torch.randperm(49152)[:1000].sort().values
+    m.keep_vocab_(ids)
+    m.save_pretrained(tmp_path / "ckpt")
+    assert run_cli("export", tmp_path / "ckpt", "--out", tmp_path / "out").returncode == 0
+    from speculators.export.vllm_format import export  # in process from here: the CLI path is checked above
+    sd = load_file(tmp_path / "out" / "model.safetensors")
+    exported = sd.pop("draft_vocab_ids")
+    assert exported.dtype == torch.int64 and torch.equal(exported, ids)
+    vllm = m.vllm_state_dict()
+    assert set(sd) == set(vllm)
+    for name, t in sd.items():
+        assert t.dtype == vllm[name].dtype and t.shape == vllm[name].shape and torch.equal(t, vllm[name]), name
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg.pop("speculators_draft_vocab_size") == 1000 and full_cfg.pop("speculators_draft_vocab_size") == 0
+    assert cfg == json.loads(json.dumps(full_cfg))
+
+    implicit = load_file(tmp_path / "ckpt" / "model.safetensors")
+    del implicit["draft_vocab_ids"]
+    from safetensors.torch import save_file
+    save_file(implicit, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(full_cfg))
+    export(tmp_path / "ckpt", tmp_path / "again")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "again" / name).read_bytes() == (tmp_path / "out" / name).read_bytes(), name
+
+    export(tmp_path / "ckpt", tmp_path / "bf16", dtype="bf16")
+    assert torch.equal(load_file(tmp_path / "bf16" / "model.safetensors")["draft_vocab_ids"], ids)
