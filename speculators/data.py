@@ -235,9 +235,52 @@ def eval_prompts(name: str, n: int | None = None) -> list[list[dict]]:
         with gzip.open(fetch("humaneval"), "rt") as f:
             rows = [json.loads(line) for line in f if line.strip()]
         prompts = [[{"role": "user", "content": "Complete this Python function.\n\n" + r["prompt"]}] for r in rows]
+    elif Path(name).suffix in (".jsonl", ".json", ".txt"):
+        prompts = [[{"role": "user", "content": text}] for text in _user_prompts(Path(name))]
     else:
-        raise DataError(f"unknown evaluation set {name!r} (choose from {list(EVAL_SETS)})")
+        raise DataError(f"unknown evaluation set {name!r}: choose from {list(EVAL_SETS)} or give a .jsonl, .json "
+                        f"or .txt file of prompts")
     return prompts[:n] if n else prompts
+
+
+def _user_prompts(path: Path) -> list[str]:
+    """Your own prompts, one user message each: a .txt line, or a .jsonl / .json record that is a string or
+    an object with "prompt", "content", "text" or "turns" (the first turn)."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such prompt file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not UTF-8 text; give one prompt per line (.txt) or per record (.jsonl/.json)") from None
+    if path.suffix == ".txt":
+        records = [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
+    elif path.suffix == ".jsonl":
+        records = []
+        for i, line in enumerate(text.splitlines()):
+            if line.strip():
+                try:
+                    records.append((i + 1, json.loads(line)))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{i + 1}: not valid JSON ({err.msg} at column {err.colno})") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(data, list):
+            raise DataError(f"{path}: a .json prompt file holds a list of prompts")
+        records = [(i + 1, r) for i, r in enumerate(data)]
+    prompts = []
+    for where, r in records:
+        if isinstance(r, dict):
+            r = next((r[k] for k in ("prompt", "content", "text") if isinstance(r.get(k), str)), None) or \
+                (r["turns"][0] if isinstance(r.get("turns"), list) and r["turns"] else None)
+        if not isinstance(r, str) or not r.strip():
+            raise DataError(f"{path}:{where}: no prompt text; give a string or an object with \"prompt\"")
+        prompts.append(r)
+    if not prompts:
+        raise DataError(f"{path}: holds no prompts")
+    return prompts
 
 
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

@@ -217,6 +217,8 @@ class HybridConfig:
     max_cached_requests: int = 256  # finished requests whose outputs the lookup also searches
     min_token_prob: float = 0.1  # suffix drafting stops when its path probability falls under this
 
+    IGNORED_KEYS = ()
+
 
 class HybridProposer(Proposer):
     """Suffix lookup and trained heads in one proposer. Both draft every step; `choose_source` picks one

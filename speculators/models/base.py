@@ -182,6 +182,15 @@ def atomic_write_file(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def default_hybrid_settings() -> dict:
+    """Every setting of the suffix-lookup hybrid at its default, as a speculator's config.json records them."""
+    from dataclasses import asdict
+
+    from speculators.proposers import HybridConfig
+
+    return asdict(HybridConfig())
+
+
 class SpeculatorModel(nn.Module):
     """Base for proposers that read the target's post-final-norm hidden states."""
 
@@ -195,6 +204,13 @@ class SpeculatorModel(nn.Module):
 
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def hybrid_config(self):
+        """The suffix-lookup hybrid's settings recorded with this speculator (`speculators_hybrid` in its
+        config.json), so eval, generate and the vLLM plugin apply the same rule."""
+        from speculators.proposers import HybridConfig
+
+        return config_from_dict(HybridConfig, self.config.speculators_hybrid, "config.json speculators_hybrid")
 
     def vocab_heads(self) -> torch.Tensor:
         """The lm-head parameter, [heads, vocab, width]: row v of every head scores token v."""

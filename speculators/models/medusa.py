@@ -17,7 +17,7 @@ from torch import nn
 from speculators.kernels.medusa_proposal import medusa_propose
 from speculators.kernels.tree import TreeBatch, medusa_tree, medusa_tree_tokens
 
-from .base import SpeculatorModel, input_major
+from .base import SpeculatorModel, default_hybrid_settings, input_major
 
 # A 9-node tree for CPU-sized verification forwards (Medusa's own 63-node trees pay off on GPUs, where
 # 64 query tokens cost about what 4 do): choice c takes the c[d]-th best token of head d at depth d.
@@ -42,6 +42,7 @@ class MedusaConfig:
     original_lm_head: bool = False  # True: one shared lm head (the target's, frozen)
     speculators_draft_vocab_size: int = 0  # tokens the heads propose (draft_vocab); 0: all; vLLM ignores it
     speculators_target: dict = field(default_factory=dict)
+    speculators_hybrid: dict = field(default_factory=default_hybrid_settings)  # vLLM's loaders ignore it
 
     def __post_init__(self):
         if self.truncated_vocab_size is None:

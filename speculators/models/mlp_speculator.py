@@ -20,7 +20,7 @@ from torch import nn
 from speculators.kernels.mlp_proposal import mlp_speculator_propose, mlp_speculator_propose_topk
 from speculators.kernels.tree import TreeBatch, mlp_candidate_paths, paths_to_tree
 
-from .base import SpeculatorModel, input_major
+from .base import SpeculatorModel, default_hybrid_settings, input_major
 
 EPS = 1e-6
 
@@ -42,6 +42,7 @@ class MLPSpeculatorConfig:
     scale_input: bool = False
     speculators_draft_vocab_size: int = 0  # tokens the heads propose (draft_vocab); 0: all; vLLM ignores it
     speculators_target: dict = field(default_factory=dict)
+    speculators_hybrid: dict = field(default_factory=default_hybrid_settings)  # vLLM's loaders ignore it
 
     def __post_init__(self):
         if self.inner_dim == 0:
