@@ -108,11 +108,11 @@ def test_route_aliases_and_k_checks(export_dir, version):
         routing.route_export(engine_args(speculative_config={"model": str(export_dir), "num_speculative_tokens": 4}))
 
 
-@dataclass
 def head_drafts(reference: HeadProposer, hidden: torch.Tensor, token: int) -> list[int]:
     return reference.propose(StepInput([int(token)], hidden, SamplingParams(), 0), 3).tokens
 
 
+@dataclass
 class FakeSpecDecodeMetadata:  # the one field of vLLM's SpecDecodeMetadata the proposer reads
     num_draft_tokens: list[int]
 
