@@ -1,4 +1,4 @@
-"""`speculators fetch | export | eval | generate` — bad input ends in one line on stderr and exit code 2."""
+"""`speculators fetch | export | eval | generate | train` — bad input ends in one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
@@ -257,6 +257,49 @@ def _add_proposer_args(p, what: str):
     p.add_argument("--allow-pickle", action="store_true")
 
 
+def _recipes() -> dict[str, Path]:
+    """{name: file} of the recipes shipped in the package (train/configs/ in a checkout)."""
+    from importlib.resources import files
+
+    return {p.name[:-len(".yaml")]: Path(str(p)) for p in files("speculators.recipes").iterdir()
+            if p.name.endswith(".yaml")}
+
+
+def _recipe_path(name: str) -> Path:
+    if Path(name).is_file():
+        return Path(name)
+    recipes = _recipes()
+    stem = name[:-len(".yaml")] if name.endswith(".yaml") else name
+    if stem in recipes:
+        return recipes[stem]
+    raise ValueError(f"recipe {name!r} is neither a shipped recipe ({', '.join(sorted(recipes))}) nor a YAML file")
+
+
+def _train(args):
+    """The recipe checked here (one line and exit 2 on bad input, nothing launched), then `accelerate launch`
+    of speculators.distill on it; the launcher's exit code is ours."""
+    import shlex
+    import subprocess
+
+    from .distill import check_recipe
+
+    recipe = _recipe_path(args.recipe)
+    check_recipe(str(recipe), args.overrides, args.resume)
+    launch = shlex.split(args.launch_args)
+    if not launch:
+        import torch
+
+        # one process, and the defaults accelerate would otherwise warn about; --cpu as the Trainer
+        # picks the CPU itself when no CUDA device is visible
+        launch = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        launch += [] if torch.cuda.is_available() else ["--cpu"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "-q", *launch, "-m", "speculators.distill",
+           "--config", str(recipe), *args.overrides, *(["--resume"] if args.resume else [])]
+    code = subprocess.run(cmd).returncode
+    if code:
+        sys.exit(code)
+
+
 def main(argv=None):
     configure_process()
     parser = argparse.ArgumentParser(prog="speculators", description=__doc__)
@@ -293,7 +336,23 @@ def main(argv=None):
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
     p.set_defaults(fn=_generate)
 
-    args = parser.parse_args(argv)
+    recipes = ", ".join(sorted(_recipes()))
+    p = sub.add_parser("train", help="distill a proposer: a shipped recipe (or YAML file) under accelerate launch",
+                       usage="speculators train RECIPE [--key=value ...] [--resume] [--launch-args=ARGS]",
+                       allow_abbrev=False,  # --key=value overrides pass through whole, never as a prefix of ours
+                       description=f"Run a training recipe under `accelerate launch`. Shipped recipes: {recipes}. "
+                                   "Any recipe key can be overridden as --key=value.")
+    p.add_argument("recipe", metavar="RECIPE", help=f"a shipped recipe ({recipes}) or a YAML file")
+    p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
+    p.add_argument("--launch-args", default="", metavar="ARGS",
+                   help="accelerate launch's own options, e.g. --launch-args='--multi_gpu --num_processes 2' "
+                        "(default: one process, --cpu without CUDA)")
+    p.set_defaults(fn=_train)
+
+    args, extra = parser.parse_known_args(argv)
+    if args.cmd != "train" and extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
     try:
         _check_args(args)
         args.fn(args)

@@ -1,0 +1,1 @@
+"""The shipped training recipes: `speculators train NAME` runs NAME.yaml from this folder."""
