@@ -69,17 +69,28 @@ def _load_proposers(args) -> tuple[str, dict]:
         check_against_target(head, target_name)
     for model, tokenizer in loaded.values():
         check_draft_against_target(model, tokenizer, target_name)
-    from .proposers import DraftModelProposer, HeadProposer, NgramProposer, TreeProposer  # the kernels: seconds
+    if args.hybrid and head is None:
+        raise ValueError("--hybrid combines suffix lookup with an MLP-speculator or Medusa checkpoint; give one")
+    from .proposers import (DraftModelProposer, HeadProposer, HybridProposer, NgramProposer,  # the kernels: seconds
+                            SuffixLookupProposer, TreeProposer)
 
     proposers = {}
     if head is not None:
-        proposers[head.config.MODEL_TYPE] = HeadProposer(head)
+        kind = head.config.MODEL_TYPE
+        proposers[kind] = HeadProposer(head)
         if args.tree:
-            proposers[f"{head.config.MODEL_TYPE}-tree"] = TreeProposer(head, typical=args.typical)
+            proposers[f"{kind}-tree"] = TreeProposer(head, typical=args.typical)
+        if args.hybrid:
+            proposers[f"hybrid-{kind}"] = HybridProposer(HeadProposer(head), head.hybrid_config())
+            if args.tree:
+                proposers[f"hybrid-{kind}-tree"] = HybridProposer(TreeProposer(head, typical=args.typical),
+                                                                  head.hybrid_config())
     for name, (model, _) in loaded.items():
         proposers[name] = DraftModelProposer(model)
     if args.ngram:
         proposers["ngram"] = NgramProposer(1, 4)
+    if args.suffix:
+        proposers["suffix"] = SuffixLookupProposer()
     return target_name, proposers
 
 
@@ -128,7 +139,7 @@ def _eval(args):
     torch.manual_seed(args.seed)
     target_name, proposers = _load_proposers(args)
     if not proposers:
-        raise ValueError("nothing to evaluate: give a checkpoint, --draft or --ngram")
+        raise ValueError("nothing to evaluate: give a checkpoint, --draft, --ngram or --suffix")
     from .evaluate import evaluate, summary_lines
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -153,10 +164,12 @@ def _generate(args):
     from .target import check_fits, context_window, model_config, model_tokenizer
 
     target_name, proposers = _load_proposers(args)
-    if len(proposers) > 1:  # the tree replaces the chain; a draft and --ngram are alternatives
-        proposers = {n: p for n, p in proposers.items() if n.endswith("-tree")} or proposers
+    if len(proposers) > 1:  # the hybrid replaces the heads, the tree the chain; the rest are alternatives
+        names = [n for n in proposers if n.startswith("hybrid-")] or list(proposers)
+        names = [n for n in names if n.endswith("-tree")] or names
+        proposers = {n: proposers[n] for n in names}
     if len(proposers) > 1:
-        raise ValueError(f"generate runs one proposer, got {sorted(proposers)}; give either a checkpoint or --ngram")
+        raise ValueError(f"generate runs one proposer, got {sorted(proposers)}; give one of a checkpoint, --ngram or --suffix")
     name, proposer = next(iter(proposers.items()), ("plain", None))
     # every prompt against the target's window with its tokenizer and config, before any weights load
     tok, window = model_tokenizer(target_name), context_window(model_config(target_name))
@@ -210,7 +223,7 @@ def _check_args(args) -> None:
     """Every numeric flag against the values it allows, before anything loads: a value outside them
     would not fail but do something else than asked (--k 0 decodes plainly, under the proposer's name)."""
     if args.cmd in ("eval", "generate"):
-        proposer = args.checkpoint or getattr(args, "draft", None) or args.ngram
+        proposer = args.checkpoint or getattr(args, "draft", None) or args.ngram or args.suffix
         ranges = [
             ("--k", args.k, ">= 1 (draft tokens per target forward)", not proposer or args.k >= 1),
             ("--temperature", args.temperature, ">= 0 (0: greedy)",
@@ -244,6 +257,11 @@ def _add_proposer_args(p, what: str):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ngram", action="store_true", help="vLLM's n-gram prompt lookup (n <= 4) as a proposer")
+    p.add_argument("--suffix", action="store_true",
+                   help="suffix decoding (lookup in this request and recent requests' outputs) as a proposer")
+    p.add_argument("--hybrid", action="store_true",
+                   help="with a speculator checkpoint: each step the suffix lookup's draft or the heads' draft, "
+                        "whichever expects more accepted tokens (settings from the export's speculators_hybrid)")
     p.add_argument("--tree", action="store_true",
                    help="draft candidate trees with the speculator (MLP: top_k_tokens_per_head and n_candidates "
                         "from its config; Medusa: a 9-node choice tree), verified in one target forward")
@@ -324,7 +342,8 @@ def main(argv=None):
     _add_proposer_args(p, "evaluate")
     p.add_argument("--draft", action="append", default=[], metavar="[NAME=]PATH",
                    help="also evaluate this draft model (repeatable), e.g. undistilled=runs/x/initial")
-    p.add_argument("--data", nargs="+", default=["mt-bench"], choices=["mt-bench", "humaneval"])
+    p.add_argument("--data", nargs="+", default=["mt-bench"], metavar="SET",
+                   help="mt-bench, humaneval, or your own prompts: a .txt (one per line), .jsonl or .json file")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--out", help="directory for eval.json and acceptance.png")
     p.set_defaults(fn=_eval)

@@ -275,11 +275,30 @@ def test_generate_cli_is_plain_greedy_decoding_for_every_proposer(tmp_path, tiny
     assert plain_proc.returncode == 0, plain_proc.stderr
     assert [r["proposer"] for r in plain] == ["plain", "plain"] and all(r["tokens"] == 12 for r in plain)
     for extra, name in (([tmp_path / "mlp"], "mlp_speculator"), ([tmp_path / "mlp", "--tree"], "mlp_speculator-tree"),
-                        (["--ngram"], "ngram")):
+                        (["--ngram"], "ngram"), (["--suffix"], "suffix"),
+                        ([tmp_path / "mlp", "--hybrid"], "hybrid-mlp_speculator"),
+                        ([tmp_path / "mlp", "--hybrid", "--tree"], "hybrid-mlp_speculator-tree")):
         proc, recs = run_generate(*extra, *common)
         assert proc.returncode == 0, proc.stderr
         assert [r["proposer"] for r in recs] == [name, name]
         assert [r["output"] for r in recs] == [r["output"] for r in plain], name
+
+
+def test_eval_cli_own_prompts_with_suffix_and_hybrid(tmp_path, tiny_target_dir):
+    """eval on the user's own prompt file, lookup and hybrid beside the heads in one run: greedy outputs
+    equal plain decoding (eval checks), and the hybrid reports each source's share of steps."""
+    torch.manual_seed(0)
+    MLPSpeculator(MLPSpeculatorConfig(vocab_size=49152, emb_dim=64, n_predict=3,
+                                      speculators_target={"name": str(tiny_target_dir)})).save_pretrained(tmp_path / "mlp")
+    (tmp_path / "mine.jsonl").write_text('{"prompt": "the cat sat on the mat"}\n"1 2 3 4 1 2 3"\n')
+    proc = subprocess.run([sys.executable, "-m", "speculators.cli", "eval", str(tmp_path / "mlp"), "--target",
+                           str(tiny_target_dir), "--data", str(tmp_path / "mine.jsonl"), "--suffix", "--hybrid",
+                           "--max-new-tokens", "10", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout.strip().splitlines()[-1])["datasets"][str(tmp_path / "mine.jsonl")]
+    assert res["prompts"] == 2 and set(res["results"]) == {"plain", "mlp_speculator", "suffix", "hybrid-mlp_speculator"}
+    share = res["results"]["hybrid-mlp_speculator"]["source_share"]
+    assert set(share) <= {"lookup", "heads"} and abs(sum(share.values()) - 1) < 1e-9
 
 
 def test_generate_cli_tree_sampling_needs_typical(tmp_path, tiny_target_dir):
