@@ -244,43 +244,30 @@ def eval_prompts(name: str, n: int | None = None) -> list[list[dict]]:
 
 
 def _user_prompts(path: Path) -> list[str]:
-    """Your own prompts, one user message each: a .txt line, or a .jsonl / .json record that is a string or
-    an object with "prompt", "content", "text" or "turns" (the first turn)."""
+    """Your own prompts, one user message each: a .txt line, or a .jsonl / .json record (an object) with
+    "prompt", "content", "text" or "turns" (the first turn)."""
     if not path.is_file():
         raise DataError(f"{path}: no such prompt file")
     try:
-        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".txt":
+            return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()] or \
+                _no_prompts(path)
+        rows = _jsonl_rows(path, open) if path.suffix == ".jsonl" else _json_rows(path)
     except UnicodeDecodeError:
         raise DataError(f"{path}: not UTF-8 text; give one prompt per line (.txt) or per record (.jsonl/.json)") from None
-    if path.suffix == ".txt":
-        records = [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
-    elif path.suffix == ".jsonl":
-        records = []
-        for i, line in enumerate(text.splitlines()):
-            if line.strip():
-                try:
-                    records.append((i + 1, json.loads(line)))
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{i + 1}: not valid JSON ({err.msg} at column {err.colno})") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
-        if not isinstance(data, list):
-            raise DataError(f"{path}: a .json prompt file holds a list of prompts")
-        records = [(i + 1, r) for i, r in enumerate(data)]
     prompts = []
-    for where, r in records:
-        if isinstance(r, dict):
-            r = next((r[k] for k in ("prompt", "content", "text") if isinstance(r.get(k), str)), None) or \
-                (r["turns"][0] if isinstance(r.get("turns"), list) and r["turns"] else None)
-        if not isinstance(r, str) or not r.strip():
-            raise DataError(f"{path}:{where}: no prompt text; give a string or an object with \"prompt\"")
-        prompts.append(r)
-    if not prompts:
-        raise DataError(f"{path}: holds no prompts")
-    return prompts
+    for i, r in enumerate(rows):
+        text = next((r[k] for k in ("prompt", "content", "text") if isinstance(r.get(k), str)), None)
+        if text is None and isinstance(r.get("turns"), list) and r["turns"]:
+            text = r["turns"][0]
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(f"{path}: record {i + 1} has no prompt text; give an object with \"prompt\"")
+        prompts.append(text)
+    return prompts or _no_prompts(path)
+
+
+def _no_prompts(path: Path):
+    raise DataError(f"{path}: holds no prompts")
 
 
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

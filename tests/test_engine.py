@@ -290,7 +290,7 @@ def test_eval_cli_own_prompts_with_suffix_and_hybrid(tmp_path, tiny_target_dir):
     torch.manual_seed(0)
     MLPSpeculator(MLPSpeculatorConfig(vocab_size=49152, emb_dim=64, n_predict=3,
                                       speculators_target={"name": str(tiny_target_dir)})).save_pretrained(tmp_path / "mlp")
-    (tmp_path / "mine.jsonl").write_text('{"prompt": "the cat sat on the mat"}\n"1 2 3 4 1 2 3"\n')
+    (tmp_path / "mine.jsonl").write_text('{"prompt": "the cat sat on the mat"}\n{"text": "1 2 3 4 1 2 3"}\n')
     proc = subprocess.run([sys.executable, "-m", "speculators.cli", "eval", str(tmp_path / "mlp"), "--target",
                            str(tiny_target_dir), "--data", str(tmp_path / "mine.jsonl"), "--suffix", "--hybrid",
                            "--max-new-tokens", "10", "--json"], capture_output=True, text=True)
