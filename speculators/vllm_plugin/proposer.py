@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from . import EXPORT_KEY, check_vllm_version
+from .versions import EXPORT_KEY, check_vllm_version
 
 logger = logging.getLogger("vllm.speculators")
 

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import EXPORT_KEY, PROPOSER_CLASS, check_vllm_version, vllm_version
+from .versions import EXPORT_KEY, PROPOSER_CLASS, check_vllm_version, vllm_version
 
 # A child of vLLM's own logger, so our lines print with its format and level.
 logger = logging.getLogger("vllm.speculators")

