@@ -79,13 +79,16 @@ class SpeculativeDecoder:
             for j in range(depth):
                 stats.drafted[j] += 1
                 stats.accepted[j] += int(j < n_acc)
+            accepted = emitted  # every token the target accepted, before max_new_tokens and EOS cut them
             room = sp.max_new_tokens - len(stats.tokens)
             emitted = _cut_at_eos(emitted[:room], self.eos)
             stats.tokens.extend(emitted)
             stats.steps_tokens += len(emitted)
             history.extend(emitted)
             if self.proposer is not None:
-                self.proposer.extend(emitted)
+                # as in vLLM, whose model runner hands its proposer a step's tokens before the
+                # scheduler trims them, so lookup caches and the hybrid's statistics match there
+                self.proposer.extend(accepted)
             # Keep the KV of `token` and the accepted drafts; the last emitted token is fed next step.
             cached += 1 + n_acc
             rejected = cache.get_seq_length() - cached

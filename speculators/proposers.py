@@ -211,6 +211,7 @@ class HybridConfig:
     """The hybrid's settings: recorded in an export's config.json (`speculators_hybrid`) so that eval,
     generate and the vLLM plugin apply the same rule."""
 
+    enabled: bool = True  # the vLLM plugin serves the hybrid (additional_config={"speculators": {"hybrid": ...}} overrides)
     margin: float = 0.0  # lookup wins when its score >= heads_expected + margin
     heads_expected: float = 0.5  # the heads' accepted tokens per step before any step is observed
     max_depth: int = 24  # suffix trie depth
@@ -220,52 +221,96 @@ class HybridConfig:
     IGNORED_KEYS = ()
 
 
+class Hybrid:
+    """The hybrid's state across requests, keyed by request id, shared by the engine's `HybridProposer`
+    and the vLLM plugin: suffix lookup over every request, the heads' expected accepted tokens per step,
+    and which draft each step sent.
+
+    Per step a caller drafts with the heads, asks `lookup_draft`, and lets `choose` pick. The expected
+    accepted tokens of the heads are a running mean over all requests (the first 64 steps a plain mean,
+    then a moving one) of how many tokens of their draft the target's emitted tokens confirm. It also
+    learns on steps the lookup won, so a heads' draft that was not sent still counts."""
+
+    def __init__(self, config: HybridConfig | None = None):
+        self.config = config or HybridConfig()
+        c = self.config
+        self.lookup = SuffixProposer(max_depth=c.max_depth, max_cached_requests=c.max_cached_requests,
+                                     min_token_prob=c.min_token_prob)
+        self.expected = c.heads_expected
+        self.steps = 0
+        self.heads_drafts: dict = {}  # request id -> the heads' draft of the step in flight
+        self.sources = {"lookup": 0, "heads": 0}
+
+    @property
+    def active(self):
+        """The ids of the requests started and not finished."""
+        return self.lookup.active_requests
+
+    def start(self, request_id, prompt_ids) -> None:
+        self.lookup.start_request(request_id, prompt_ids)
+
+    def extend(self, request_id, tokens: list[int]) -> None:
+        """The target emitted `tokens` for this request (every accepted token and the bonus token)."""
+        self.lookup.append(request_id, tokens)
+        draft = self.heads_drafts.pop(request_id, None)
+        if draft:
+            agreed = 0
+            while agreed < min(len(draft), len(tokens)) and draft[agreed] == tokens[agreed]:
+                agreed += 1
+            self.steps += 1
+            self.expected += (agreed - self.expected) / min(self.steps, 64)
+
+    def finish(self, request_id) -> None:
+        self.heads_drafts.pop(request_id, None)
+        self.lookup.finish_request(request_id)
+
+    def lookup_draft(self, request_id, k: int) -> tuple[list[int], float]:
+        return self.lookup.speculate(request_id, k)
+
+    def choose(self, request_id, lookup: tuple[list[int], float], heads_tokens: list[int],
+               learn: bool = True) -> str:
+        """'lookup' or 'heads' for this request's step; `learn`: score the heads' draft against the
+        tokens the target emits next (greedy only: a sampled target's tokens do not show what it accepts)."""
+        if learn:
+            self.heads_drafts[request_id] = heads_tokens
+        source = choose_source(len(lookup[0]), lookup[1], len(heads_tokens), self.expected, self.config.margin)
+        self.sources[source] += 1
+        return source
+
+
 class HybridProposer(Proposer):
-    """Suffix lookup and trained heads in one proposer. Both draft every step; `choose_source` picks one
-    by their expected accepted tokens: the lookup's score against the heads' running mean of accepted
-    tokens per step. The heads' mean also learns from steps the lookup won: the target's emitted tokens
-    show how much of the heads' draft it would have accepted.
+    """Suffix lookup and trained heads in one proposer for the built-in engine (`Hybrid`, one request
+    at a time). Both draft every step and `choose_source` picks one by their expected accepted tokens.
 
     With tree heads (`TreeProposer`) the lookup draft joins the heads' candidate paths as one more
     branch of the same tree, so the target verifies both in one forward."""
 
     def __init__(self, heads: HeadProposer | TreeProposer, config: HybridConfig | None = None):
-        self.heads, self.config = heads, config or HybridConfig()
+        self.heads, self.state = heads, Hybrid(config)
         self.drafts_trees, self.typical = heads.drafts_trees, heads.typical
-        self.lookup = SuffixLookupProposer(self.config.max_depth, self.config.max_cached_requests,
-                                           self.config.min_token_prob)
-        self.expected = self.config.heads_expected
-        self.steps = 0
-        self.heads_draft: list[int] = []
-        self.wins = {"lookup": 0, "heads": 0}
+        self.request = None
 
     def start(self, prompt_ids: list[int]) -> None:
-        self.lookup.start(prompt_ids)
-        self.heads_draft = []
+        self.finish()
+        self.request = 0
+        self.state.start(self.request, prompt_ids)
 
     def extend(self, tokens: list[int]) -> None:
-        self.lookup.extend(tokens)
-        if self.heads_draft:  # how many of the heads' tokens the target's emitted tokens confirm
-            agreed = 0
-            while agreed < min(len(self.heads_draft), len(tokens)) and self.heads_draft[agreed] == tokens[agreed]:
-                agreed += 1
-            self.steps += 1
-            self.expected += (agreed - self.expected) / min(self.steps, 64)  # a mean, then a moving one
-            self.heads_draft = []
+        self.state.extend(self.request, tokens)
 
     def finish(self) -> None:
-        self.lookup.finish()
+        if self.request is not None:
+            self.state.finish(self.request)
+            self.request = None
 
     def propose(self, step: StepInput, k: int) -> Draft | TreeBatch:
-        looked, score = self.lookup.propose_scored(k)
+        looked = self.state.lookup_draft(self.request, k)
         if self.drafts_trees:
             tree = self.heads.propose(step, k)
-            return add_path(tree, looked) if looked else tree
+            return add_path(tree, looked[0]) if looked[0] else tree
         heads = self.heads.propose(step, k)
-        self.heads_draft = heads.tokens if step.sp.temperature == 0 else []
-        source = choose_source(len(looked), score, len(heads.tokens), self.expected, self.config.margin)
-        self.wins[source] += 1
-        return Draft(looked, source="lookup") if source == "lookup" else heads
+        source = self.state.choose(self.request, looked, heads.tokens, learn=step.sp.temperature == 0)
+        return Draft(looked[0], source="lookup") if source == "lookup" else heads
 
 
 def add_path(tree: TreeBatch, path: list[int]) -> TreeBatch:

@@ -339,6 +339,11 @@ class SuffixProposer:
         self._tracked: _Request | None = None  # the request that `propose(history, k)` follows
         self._cache_ids = itertools.count()  # request ids may be reused; cache entries are not
 
+    @property
+    def active_requests(self):
+        """The ids of the requests started and not finished."""
+        return self._requests.keys()
+
     def start_request(self, request_id, prompt_ids) -> None:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already active; finish_request it before starting it again")

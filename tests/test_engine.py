@@ -132,7 +132,7 @@ def test_hybrid_takes_confident_lookup_and_tracks_the_heads(tiny_target):
     assert again.tokens == first.tokens
     assert again.sources["lookup"] > 0 and sum(again.sources.values()) == again.target_forwards
     assert again.target_forwards < first.target_forwards  # the cached answer is accepted several tokens a step
-    assert hybrid.expected < 0.5  # random heads: the target confirms almost none of their tokens
+    assert hybrid.state.expected < 0.5  # random heads: the target confirms almost none of their tokens
 
 
 def test_add_path_merges_a_lookup_branch():
@@ -170,7 +170,7 @@ def test_hybrid_sampling_keeps_the_target_distribution(tiny_target):
         pair = tuple(dec.generate(prompt, SamplingParams(temperature=T, top_k=top, max_new_tokens=2, seed=seed)).tokens)
         assert pair in joint, pair  # never a token outside the top-k
         counts[pair] = counts.get(pair, 0) + 1
-    assert hybrid.wins["lookup"] > n // 2  # the lookup drafted on most first steps
+    assert hybrid.state.sources["lookup"] > n // 2  # the lookup drafted on most first steps
     cells = sorted(joint, key=joint.get, reverse=True)
     big = [c for c in cells if joint[c] * n >= 5]  # chi-squared needs expected counts; the rest is one cell
     observed = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]

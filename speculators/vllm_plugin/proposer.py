@@ -15,6 +15,13 @@ just before the runner calls `propose`. Runners with any other drafter pass stra
 
 The heads are our own `MLPSpeculator` / `Medusa` (`.propose(hidden, tokens, k)`), so vLLM and
 `speculators eval` run one implementation of the math. Drafts are a greedy top-1 chain.
+
+With the hybrid on (the export's `speculators_hybrid.enabled`, or
+`additional_config={"speculators": {"hybrid": bool}}`), `speculators.proposers.Hybrid` keeps a suffix
+lookup per request (keyed by vLLM's request id, the prompt read from the input batch) and over recent
+requests' outputs, and per request and step sends the lookup's draft or the heads', by the same rule
+as `speculators eval --hybrid`. Requests that left the batch are finished first, so their output is
+in the lookup's cache when the next request drafts, as in the engine.
 No attribute is called `model`: vLLM's runner treats `drafter.model` as a draft network.
 """
 
@@ -46,12 +53,16 @@ class SpeculatorsProposer:
             )
         self.export_dir = export["export_dir"]
         self.kind = export.get("kind")
+        self.use_hybrid = bool(export.get("hybrid", False))
+        self.hybrid = None  # speculators.proposers.Hybrid; filled by load_model when use_hybrid
+        self.max_model_len = vllm_config.model_config.max_model_len
         self.num_speculative_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.dtype = vllm_config.model_config.dtype
         self.target_sizes = _target_sizes(vllm_config.model_config)  # (vocab, hidden) or None
         self.heads = None  # the speculator; filled by load_model
         self._hidden = None  # the runner's sample_hidden_states for the current step
         self._spec_meta = None  # the runner's spec_decode_metadata for the current step
+        self._batch = None  # the runner's input_batch: request ids and prompts, for the hybrid
         install_runner_hook()
 
     def load_model(self, target_model=None, *args, **kwargs) -> None:
@@ -77,17 +88,21 @@ class SpeculatorsProposer:
                 device = param.device
         self.heads = heads.to(device=device, dtype=self.dtype).eval().requires_grad_(False)
         self.kind = kind
-        logger.info("speculators: loaded %s heads from %s (k=%d, %s, %s)", kind, self.export_dir,
-                    self.num_speculative_tokens, self.dtype, device)
+        if self.use_hybrid:
+            from ..proposers import Hybrid
 
-    def set_runner_inputs(self, sample_hidden_states, spec_decode_metadata) -> None:
-        self._hidden, self._spec_meta = sample_hidden_states, spec_decode_metadata
+            self.hybrid = Hybrid(heads.hybrid_config())
+        logger.info("speculators: loaded %s heads from %s (k=%d, %s, %s%s)", kind, self.export_dir,
+                    self.num_speculative_tokens, self.dtype, device, ", hybrid" if self.hybrid else "")
+
+    def set_runner_inputs(self, sample_hidden_states, spec_decode_metadata, input_batch) -> None:
+        self._hidden, self._spec_meta, self._batch = sample_hidden_states, spec_decode_metadata, input_batch
 
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec=None, token_ids_cpu=None, slot_mappings=None,
                 **kwargs) -> list[list[int]]:
-        hidden, meta = self._hidden, self._spec_meta
-        self._hidden = self._spec_meta = None
+        hidden, meta, batch = self._hidden, self._spec_meta, self._batch
+        self._hidden = self._spec_meta = self._batch = None
         if hidden is None:
             raise RuntimeError(
                 "speculators: the model runner did not hand over its hidden states; the runner hook on "
@@ -114,7 +129,29 @@ class SpeculatorsProposer:
         out = self.heads.propose(hidden.index_select(0, index).to(self.dtype), last, self.num_speculative_tokens)
         for i, row in zip(live, out.tolist()):
             drafts[i] = row
+        if self.hybrid is not None:
+            self._choose(drafts, sampled_token_ids, live, batch, token_ids_cpu)
         return drafts
+
+    def _choose(self, drafts, sampled_token_ids, live, batch, token_ids_cpu) -> None:
+        """Per live request, replace the heads' draft by the suffix lookup's where `Hybrid.choose` says so."""
+        hybrid = self.hybrid
+        req_ids = batch.req_ids
+        for req_id in list(hybrid.active - set(req_ids)):
+            hybrid.finish(req_id)  # left the batch: finished or preempted (a preempted one starts over)
+        # vLLM verifies greedy and sampled requests alike; sampled ones have a positive temperature
+        greedy = getattr(batch, "greedy_reqs", None)
+        for i in live:
+            req_id = req_ids[i]
+            new, n_tokens = list(sampled_token_ids[i]), int(batch.num_tokens_no_spec[i])  # n_tokens counts `new`
+            if req_id not in hybrid.active:  # its prompt; for a preempted request, what it had generated too
+                hybrid.start(req_id, token_ids_cpu[i, : n_tokens - len(new)].tolist())
+            hybrid.extend(req_id, new)
+            k = min(self.num_speculative_tokens, self.max_model_len - n_tokens - 1)
+            lookup = hybrid.lookup_draft(req_id, k)
+            learn = greedy is None or req_id in greedy
+            if hybrid.choose(req_id, lookup, drafts[i], learn=learn) == "lookup":
+                drafts[i] = lookup[0]
 
 
 def _target_sizes(model_config) -> tuple[int, int] | None:
@@ -150,7 +187,7 @@ def install_runner_hook() -> None:
         drafter = getattr(runner, "drafter", None)
         if isinstance(drafter, SpeculatorsProposer):
             drafter.set_runner_inputs(pick(args, kwargs, i_hidden, "sample_hidden_states"),
-                                      pick(args, kwargs, i_meta, "spec_decode_metadata"))
+                                      pick(args, kwargs, i_meta, "spec_decode_metadata"), runner.input_batch)
         return orig(*args, **kwargs)
 
     propose_draft_token_ids._speculators_hook = True

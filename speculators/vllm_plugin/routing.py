@@ -118,12 +118,17 @@ def route_export(engine_args, target_model_config=None) -> bool:
     if not isinstance(additional, dict):
         raise ValueError(f"additional_config must be a dict to carry the speculators export, got {type(additional)}")
     additional = dict(additional)  # the caller's dict stays as it was
-    additional[EXPORT_KEY] = {"export_dir": export_dir, "kind": kind}
+    user = additional.get(EXPORT_KEY) or {}
+    if not isinstance(user, dict) or set(user) - {"hybrid"} or not isinstance(user.get("hybrid", True), bool):
+        raise ValueError(f"additional_config['{EXPORT_KEY}'] takes one key, 'hybrid' (true or false: suffix lookup "
+                         f"beside the heads, default from the export's speculators_hybrid.enabled), got {user!r}")
+    hybrid = user.get("hybrid", bool((cfg.get("speculators_hybrid") or {}).get("enabled", False)))
+    additional[EXPORT_KEY] = {"export_dir": export_dir, "kind": kind, "hybrid": hybrid}
     engine_args.additional_config = additional
     spec.update(method="custom_class", model=PROPOSER_CLASS, num_speculative_tokens=k)
     engine_args.speculative_config = spec
-    logger.info("speculators: routing %s export %s (k=%d) to the custom_class proposer on vLLM %s",
-                kind, export_dir, k, version)
+    logger.info("speculators: routing %s export %s (k=%d%s) to the custom_class proposer on vLLM %s",
+                kind, export_dir, k, ", hybrid with suffix lookup" if hybrid else "", version)
     return True
 
 

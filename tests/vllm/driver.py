@@ -6,7 +6,8 @@ Runs in the vLLM venv (`.venv-vllm`, made by scripts/setup_vllm.sh), never in th
 
 SPEC.json:
     {"target": DIR, "dtype": "float32", "max_tokens": 64, "prompts": [[token ids], ...],
-     "cases": [{"name": "plain", "speculative_config": null, "in_process": true, "needs_exports": false}, ...],
+     "cases": [{"name": "plain", "speculative_config": null, "in_process": true, "needs_exports": false,
+                "additional_config": null, "batch_size": null}, ...],   # batch_size: prompts per generate()
      "ready_file": PATH,                  # optional: cases with needs_exports wait until it exists
      "config_checks": {"medusa": DIR, "mlp_speculator": DIR}}   # optional: routing checks, no engine
 
@@ -61,6 +62,8 @@ def run_case(spec: dict, case: dict) -> dict:
                   kv_cache_memory_bytes=spec.get("kv_cache_bytes", 1 << 30), enable_prefix_caching=False)
     if in_process:
         kwargs["distributed_executor_backend"] = "uni"
+    if case.get("additional_config") is not None:
+        kwargs["additional_config"] = dict(case["additional_config"])
     if case.get("speculative_config") is not None:
         kwargs["speculative_config"] = dict(case["speculative_config"])
         # Per-request acceptance (vLLM >= 0.32): every verify step's accepted count, per prompt.
@@ -74,7 +77,7 @@ def run_case(spec: dict, case: dict) -> dict:
               "additional_config": llm.llm_engine.vllm_config.additional_config, "startup_s": startup}
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=spec.get("ignore_eos", False))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    bs = spec.get("batch_size") or len(prompts)
+    bs = case.get("batch_size") or spec.get("batch_size") or len(prompts)
     outputs, per_request, gen_s, n_tokens = [], [], 0.0, 0
     before = spec_decode_metrics(llm)
     for i in range(0, len(prompts), bs):

@@ -99,6 +99,23 @@ def test_route_leaves_everything_else_alone(export_dir, version):
         routing.route_export(engine_args(speculative_config={"model": str(export_dir)}))
 
 
+def test_route_hybrid_setting(export_dir, version):
+    """The export's speculators_hybrid.enabled decides; additional_config={"speculators": {"hybrid": b}}
+    overrides it; anything else under that key is refused with one message."""
+    spec = {"model": str(export_dir), "num_speculative_tokens": 3}
+    args = engine_args(speculative_config=dict(spec))
+    routing.route_export(args)
+    assert args.additional_config["speculators"]["hybrid"] is True
+    user = {"speculators": {"hybrid": False}, "other": 1}
+    args = engine_args(speculative_config=dict(spec), additional_config=user)
+    routing.route_export(args)
+    assert args.additional_config["speculators"]["hybrid"] is False and args.additional_config["other"] == 1
+    assert user == {"speculators": {"hybrid": False}, "other": 1}  # the caller's dict is not changed
+    for bad in ({"hybrid": "yes"}, {"export_dir": "/x"}, ["hybrid"]):
+        with pytest.raises(ValueError, match="takes one key, 'hybrid'"):
+            routing.route_export(engine_args(speculative_config=dict(spec), additional_config={"speculators": bad}))
+
+
 def test_route_aliases_and_k_checks(export_dir, version):
     args = engine_args(spec_model=str(export_dir), spec_tokens=3)
     assert routing.route_export(args) is True
@@ -124,6 +141,7 @@ def test_proposer_rows_match_our_engine(kind):
     model = tiny(kind).eval()
     proposer = object.__new__(SpeculatorsProposer)  # no vLLM here: set what __init__/load_model set
     proposer.heads, proposer.num_speculative_tokens, proposer.dtype = model, 3, torch.float32
+    proposer.hybrid = None
     reference = HeadProposer(model)
     torch.manual_seed(1)
     # Step with drafts: requests verified 3, 0 (prefill just finished: one row) and 3 drafts;
@@ -131,7 +149,7 @@ def test_proposer_rows_match_our_engine(kind):
     # request 3 is a partial prefill chunk with no sampled token.
     num_draft, sampled = [3, 0, 3, 0], [[5, 7], [11], [1, 2, 3, 4], []]
     hidden = torch.randn(sum(n + 1 for n in num_draft), D)
-    proposer.set_runner_inputs(hidden, FakeSpecDecodeMetadata(num_draft))
+    proposer.set_runner_inputs(hidden, FakeSpecDecodeMetadata(num_draft), None)
     drafts = proposer.propose(sampled, None, None)
     rows = [1, 4, 8]  # offset + len(tokens) - 1, offsets 0, 4, 5
     for i, row in zip(range(3), rows):
@@ -139,7 +157,48 @@ def test_proposer_rows_match_our_engine(kind):
     assert drafts[3] == []
     # Step without drafts (one row per request).
     hidden = torch.randn(2, D)
-    proposer.set_runner_inputs(hidden, None)
+    proposer.set_runner_inputs(hidden, None, None)
     assert proposer.propose([[9], [10]], None, None) == [head_drafts(reference, hidden[i], t) for i, t in ((0, 9), (1, 10))]
     with pytest.raises(RuntimeError, match="did not hand over its hidden states"):
         proposer.propose([[9]], None, None)  # inputs are consumed once
+
+
+def test_proposer_hybrid_per_request(tmp_path):
+    """The plugin's hybrid keys the lookup by vLLM's request id: a request that left the batch is
+    finished before the next one drafts, so a second request with the same prompt finds the first
+    one's output in the lookup's cache and drafts it; requests in one batch keep separate histories;
+    the heads' draft stays where the lookup has nothing."""
+    from speculators.proposers import Hybrid, HybridConfig
+
+    import numpy as np
+
+    model = tiny("mlp_speculator").eval()
+    proposer = object.__new__(SpeculatorsProposer)
+    proposer.heads, proposer.num_speculative_tokens, proposer.dtype = model, 3, torch.float32
+    proposer.max_model_len = 1024
+    proposer.hybrid = Hybrid(HybridConfig(heads_expected=0.0))
+    prompt, answer = [3, 1, 4, 1, 5, 9, 2, 6], [50, 51, 52, 53, 54, 55, 56, 57, 58]
+    tokens = np.zeros((2, 64), dtype=np.int64)
+
+    def step(req_ids, new, sizes):
+        batch = SimpleNamespace(req_ids=req_ids, num_tokens_no_spec=np.array(sizes), greedy_reqs=set(req_ids))
+        proposer._last_hidden = torch.randn(len(req_ids), D)
+        proposer.set_runner_inputs(proposer._last_hidden, None, batch)
+        return proposer.propose(new, None, tokens)
+
+    # request "a": the prompt, then one token per step
+    tokens[0, :8] = prompt
+    n = 8
+    for t in answer:
+        tokens[0, n] = t
+        n += 1
+        drafts = step(["a"], [[t]], [n])
+    assert proposer.hybrid.active == {"a"}
+    # "b" (same prompt) and "c" (another) arrive together after "a" left
+    tokens[0, :9] = prompt + [answer[0]]
+    tokens[1, :5] = [7, 8, 10, 11, 12]
+    drafts = step(["b", "c"], [[answer[0]], [12]], [9, 5])
+    assert set(proposer.hybrid.active) == {"b", "c"}
+    # a's output, cached (as long as the match: suffix decoding's max_spec_factor 1)
+    assert drafts[0] == answer[1:2]
+    assert drafts[1] == head_drafts(HeadProposer(model), proposer._last_hidden[1], 12)  # nothing to look up

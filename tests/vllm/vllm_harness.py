@@ -97,6 +97,9 @@ def native_medusa(version: str) -> bool:
     return (major, minor) <= (0, 32)
 
 
+HEADS_ONLY = {"speculators": {"hybrid": False}}  # the exports' default is the hybrid
+
+
 def vllm_cases(exports: dict[str, Path], version: str) -> list[dict]:
     """In-process cases first (vLLM's engine in the driver process, ~5 s a start): a plain run and the
     native methods, so the plugin's runner hook is provably absent from them; then the plugin cases,
@@ -110,9 +113,13 @@ def vllm_cases(exports: dict[str, Path], version: str) -> list[dict]:
         {"name": "medusa_native", "speculative_config": {"method": "medusa", "model": medusa,
                                                          "num_speculative_tokens": K}, "needs_exports": True},
         {"name": "medusa_plugin", "speculative_config": {"model": medusa, "num_speculative_tokens": K},
-         "needs_exports": True},
+         "additional_config": HEADS_ONLY, "needs_exports": True},
         {"name": "mlp_plugin", "speculative_config": {"model": mlp, "num_speculative_tokens": K},
-         "in_process": False, "needs_exports": True},
+         "additional_config": HEADS_ONLY, "in_process": False, "needs_exports": True},
+        # One request at a time, as our engine decodes: the lookup's cache of outputs and the heads'
+        # running acceptance then see the same requests in the same order on both sides.
+        {"name": "mlp_hybrid", "speculative_config": {"model": mlp, "num_speculative_tokens": K},
+         "additional_config": {"speculators": {"hybrid": True}}, "batch_size": 1, "needs_exports": True},
     ]
     if not native_medusa(version):
         cases = [c for c in cases if c["name"] != "medusa_native"]
@@ -147,7 +154,7 @@ def our_results(spec: dict) -> dict:
     """
     from speculators.draft import load_draft
     from speculators.engine import SpeculativeDecoder
-    from speculators.proposers import DraftModelProposer, HeadProposer, SamplingParams
+    from speculators.proposers import DraftModelProposer, HeadProposer, HybridProposer, SamplingParams
     from speculators.export.vllm_format import load_speculator
     from speculators.target import Target
 
@@ -161,17 +168,20 @@ def our_results(spec: dict) -> dict:
         if name == "draft_model":
             return DraftModelProposer(load_draft(exports["draft"])[0])
         wait_for(Path(spec["ready_file"]))
+        if name == "mlp_hybrid":
+            heads = load_speculator(exports["mlp_speculator"])
+            return HybridProposer(HeadProposer(heads), heads.hybrid_config())
         return HeadProposer(load_speculator(exports[name]))
 
     out = {}
-    for name in ("plain", "draft_model", "medusa", "mlp_speculator"):
+    for name in ("plain", "draft_model", "medusa", "mlp_speculator", "mlp_hybrid"):
         p = proposer(name)
         decoder = SpeculativeDecoder(target, p, 0 if p is None else K)
         out[name] = []
         for ids in spec["prompts"]:
             st = decoder.generate(ids, sp)
             out[name].append({"outputs": st.tokens, "forwards": st.target_forwards, "steps_tokens": st.steps_tokens,
-                              "drafted": st.drafted, "accepted": st.accepted})
+                              "drafted": st.drafted, "accepted": st.accepted, "sources": st.sources})
     return out
 
 
