@@ -6,9 +6,12 @@ inputs are known from one forward over that output (as in teacher_forced_tau.py)
 after each position, and the lookup's draft from the suffix trees fed the tokens emitted so far. The
 replay walks the accept/reject steps with `speculators.proposers.Hybrid`, the same object the engine
 and the vLLM plugin use, so a rule's τ here is the τ `speculators eval --hybrid` measures (up to fp
-near-ties between the HF generate output and the engine's). Rows, per data set:
+near-ties between the HF generate output and the engine's). It also times the proposal's parts as the
+engine runs them at batch 1: the lookup's drafting and appends per step, and the heads' proposal alone.
+Rows, per data set:
 
-- `ngram`: vLLM's prompt lookup (n = 1..4); `suffix`: suffix decoding alone; `heads`: the export alone;
+- `ngram`: vLLM's prompt lookup (n = 1..4); `suffix`: suffix decoding alone (`no-cache`: without the
+  tree over earlier requests' outputs); `heads`: the export alone;
 - `hybrid m=M`: the hybrid at margin M (lookup wins when its score >= the heads' expected + M);
 - `oracle`: each step the source whose draft the target accepts further (an upper bound for any rule
   that picks one chain; verifying both chains as a two-branch tree reaches it).
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from dataclasses import replace
 
 import torch
 
@@ -58,6 +63,21 @@ def accepted_len(draft: list[int], seq: list[int], at: int) -> int:
     return n
 
 
+@torch.no_grad()
+def heads_ms_per_step(target: Target, model, seqs, k: int, n: int = 200) -> float:
+    """The heads' proposal alone at batch 1, as the engine calls it each step: ms per call."""
+    prompt_len, seq = seqs[0]
+    t = torch.tensor(seq)
+    hidden = target(t[None], logits=False).hidden[0].to(next(model.parameters()).dtype)
+    rows = [prompt_len - 1 + j % (len(seq) - prompt_len) for j in range(n)]
+    for r in rows[:10]:  # warm-up
+        model.propose(hidden[r : r + 1], t[r + 1 : r + 2], k)
+    start = time.perf_counter()
+    for r in rows:
+        model.propose(hidden[r : r + 1], t[r + 1 : r + 2], k)
+    return (time.perf_counter() - start) / n * 1e3
+
+
 def replay(seqs, drafts, k: int, rule: str, config: HybridConfig) -> dict:
     """Walk greedy verification over every sequence with one proposer rule, its state kept across
     sequences in order (the lookup's cache of outputs, the heads' running acceptance), as in eval."""
@@ -65,6 +85,7 @@ def replay(seqs, drafts, k: int, rule: str, config: HybridConfig) -> dict:
     steps = tokens = 0
     accepted = [0] * k
     sources = {"lookup": 0, "heads": 0}
+    lookup_s = 0.0  # time in the suffix lookup's drafting and appends
     for r, ((prompt_len, seq), heads) in enumerate(zip(seqs, drafts)):
         i = prompt_len  # seq[i] is the token the prefill chose; the step drafts what follows it
         hybrid.start(r, seq[:prompt_len])
@@ -74,7 +95,9 @@ def replay(seqs, drafts, k: int, rule: str, config: HybridConfig) -> dict:
             if rule == "ngram":
                 draft = ngram_lookup(seq[: i + 1], k, 1, 4)
             else:
+                t0 = time.perf_counter()
                 lookup = hybrid.lookup_draft(r, k)
+                lookup_s += time.perf_counter() - t0
                 if rule == "suffix":
                     draft = lookup[0]
                 elif rule == "heads":
@@ -91,12 +114,14 @@ def replay(seqs, drafts, k: int, rule: str, config: HybridConfig) -> dict:
             for j in range(n):
                 accepted[j] += 1
             emitted = seq[i + 1 : i + 2 + n]
+            t0 = time.perf_counter()
             hybrid.extend(r, emitted)
+            lookup_s += time.perf_counter() - t0
             steps, tokens, i = steps + 1, tokens + len(emitted), i + len(emitted)
         hybrid.finish(r)
     total = sum(sources.values()) or 1
     return {"tau": tokens / steps, "acceptance": [a / steps for a in accepted],
-            "lookup_share": sources["lookup"] / total}
+            "lookup_share": sources["lookup"] / total, "lookup_us_per_step": lookup_s / steps * 1e6}
 
 
 def main():
@@ -117,14 +142,18 @@ def main():
     for data in args.data:
         seqs = greedy_outputs(target, data, args.num_prompts, args.max_new_tokens)
         drafts = heads_drafts(target, model, seqs, args.k)
-        rules = [("ngram", base), ("suffix", base), ("heads", base), ("oracle", base)]
-        rules += [(f"hybrid m={m:g}", HybridConfig(**{**vars(base), "margin": m})) for m in args.margins]
+        rules = [("ngram", base), ("suffix", base), ("suffix no-cache", replace(base, max_cached_requests=0)),
+                 ("heads", base), ("oracle", base)]
+        rules += [(f"hybrid m={m:g}", replace(base, margin=m)) for m in args.margins]
         for name, config in rules:
             r = replay(seqs, drafts, args.k, name.split()[0], config)
             rows[f"{data} {name}"] = r
-            print(f"{data:>10} {name:>14}: tau {r['tau']:.3f}  acceptance/pos "
-                  f"{' / '.join(f'{a:.3f}' for a in r['acceptance'])}  lookup share {r['lookup_share']:.2f}",
-                  flush=True)
+            print(f"{data:>10} {name:>15}: tau {r['tau']:.3f}  acceptance/pos "
+                  f"{' / '.join(f'{a:.3f}' for a in r['acceptance'])}  lookup share {r['lookup_share']:.2f}  "
+                  f"lookup {r['lookup_us_per_step']:.0f} us/step", flush=True)
+        ms = heads_ms_per_step(target, model, seqs, args.k)
+        rows[f"{data} heads_ms_per_step"] = ms
+        print(f"{data:>10} heads' proposal alone at batch 1: {ms:.2f} ms/step", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

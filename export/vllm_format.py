@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from speculators.models import MODEL_TYPES
-from speculators.models.base import CONFIG_NAME, CheckpointError, atomic_write_dir, unfinished_writes
+from speculators.models.base import (CONFIG_NAME, CheckpointError, atomic_write_dir, default_hybrid_settings,
+                                     unfinished_writes)
 from speculators.draft import DraftModel, check_draft_against_target, is_draft_checkpoint, load_draft
 from speculators.target import model_config
 
@@ -84,7 +85,10 @@ def export(ckpt: str | Path, out: str | Path, target: str | None = None, force: 
     check_against_target(model, target)
     if dtype:
         model = model.to(DTYPES[dtype])
-
+    # The hybrid's settings are serving settings: an export records this package's current defaults
+    # (tuned with benchmarks/hybrid_replay.py), whatever the checkpoint was trained with; edit the
+    # export's config.json to change them.
+    model.config.speculators_hybrid = default_hybrid_settings()
     return _write_export(out, model.save_pretrained, model_card(model, target, out))
 
 

@@ -66,7 +66,8 @@ def mlp_ckpt(tmp_path, tiny_target_dir):
     torch.manual_seed(0)
     m = MLPSpeculator(MLPSpeculatorConfig(vocab_size=49152, emb_dim=64, n_predict=3,
                                           speculators_target={"name": str(tiny_target_dir),
-                                                              "architecture": "LlamaForCausalLM"}))
+                                                              "architecture": "LlamaForCausalLM"},
+                                          speculators_hybrid={"margin": 0.0}))  # settings of an older package
     m.save_pretrained(tmp_path / "ckpt")
     return tmp_path / "ckpt"
 
@@ -78,6 +79,12 @@ def test_export_mlp(tmp_path, mlp_ckpt):
     assert sd["proj.0.weight"].shape == (64, 64) and sd["head.2.weight"].shape == (49152, 64)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["model_type"] == "mlp_speculator" and cfg["emb_dim"] == 64
+    # the hybrid's serving settings: the package's current defaults, whatever the checkpoint recorded
+    from dataclasses import asdict
+
+    from speculators.proposers import HybridConfig
+
+    assert cfg["speculators_hybrid"] == asdict(HybridConfig()) and cfg["speculators_hybrid"]["enabled"] is True
     card = (tmp_path / "out" / "README.md").read_text()
     assert f"MLP speculator column: DIR is `{tmp_path / 'out'}`, k at most 3" in card
     assert "speculators[vllm]" in card  # the plugin, which MLP speculators need on vLLM 0.32+
