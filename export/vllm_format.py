@@ -163,6 +163,11 @@ def model_card(model, target: str, out: Path) -> str:
         *_vllm_section("MLP speculator" if kind == "mlp_speculator" else "Medusa", out, f"k at most {k} (its heads)"),
         "The input is the target's post-final-norm hidden state; drafts are a top-1 chain.",
         "",
+        "Through the plugin (vLLM 0.32+) it is served as the hybrid with suffix lookup: per request and step, "
+        "the lookup's draft or the heads', by the rule and settings in config.json's `speculators_hybrid` "
+        "(`enabled`, `margin`, ...). `additional_config={\"speculators\": {\"hybrid\": False}}` serves the "
+        "heads alone.",
+        "",
     ])
 
 

@@ -88,6 +88,7 @@ def test_export_mlp(tmp_path, mlp_ckpt):
     card = (tmp_path / "out" / "README.md").read_text()
     assert f"MLP speculator column: DIR is `{tmp_path / 'out'}`, k at most 3" in card
     assert "speculators[vllm]" in card  # the plugin, which MLP speculators need on vLLM 0.32+
+    assert "served as the hybrid" in card and '{"hybrid": False}' in card
     assert card_table(card) == readme_vllm_table()
     umask = os.umask(0)
     os.umask(umask)
