@@ -29,19 +29,10 @@ from dataclasses import replace
 
 import torch
 
-from speculators.data import chat_ids, eval_prompts
 from speculators.export.vllm_format import load_speculator
 from speculators.proposers import Hybrid, HybridConfig, ngram_lookup
 from speculators.target import Target
-
-
-def greedy_outputs(target: Target, data: str, n: int, max_new_tokens: int) -> list[tuple[int, list[int]]]:
-    out = []
-    for messages in eval_prompts(data, n):
-        ids = chat_ids(target.tokenizer, messages)
-        seq = target.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-        out.append((len(ids), seq[0].tolist()))
-    return out
+from teacher_forced_tau import greedy_outputs  # this script's directory: the same greedy continuations
 
 
 @torch.no_grad()
@@ -140,7 +131,7 @@ def main():
     base = model.hybrid_config()
     rows = {}
     for data in args.data:
-        seqs = greedy_outputs(target, data, args.num_prompts, args.max_new_tokens)
+        seqs = [(n, seq.tolist()) for n, seq in greedy_outputs(target, data, args.num_prompts, args.max_new_tokens)]
         drafts = heads_drafts(target, model, seqs, args.k)
         rules = [("ngram", base), ("suffix", base), ("suffix no-cache", replace(base, max_cached_requests=0)),
                  ("heads", base), ("oracle", base)]

@@ -4,7 +4,7 @@ The main venv has no vLLM: every vLLM run is `tests/vllm/driver.py` under the vL
 (`.venv-vllm`, made by `scripts/setup_vllm.sh`; override with VLLM_VENV). Without it the tests skip,
 unless CI is set, where a missing vLLM venv fails them.
 
-What is shared, built once per test run (session-scoped fixtures), in this order:
+The session-scoped fixtures, each built once for the whole suite:
 - `vllm_python`: the vLLM venv's interpreter (skip / fail before anything expensive runs);
 - `e2e`: a 4-layer draft model cut from the target (DRAFT_LAYERS with its embeddings, final norm and
   tied lm head); then two subprocesses start at once: the vLLM driver (every vLLM case, one after the
