@@ -18,7 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .versions import EXPORT_KEY, PROPOSER_CLASS, check_vllm_version, vllm_version
+from . import versions
+from .versions import EXPORT_KEY, PROPOSER_CLASS, check_vllm_version, native_kinds, plugin_runs_on
 
 # A child of vLLM's own logger, so our lines print with its format and level.
 logger = logging.getLogger("vllm.speculators")
@@ -36,10 +37,6 @@ PRIVATE_NAMES = (
     "custom_class protocol: Class(vllm_config), load_model(target_model), "
     "propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None)",
 )
-
-# Formats vLLM's V1 model runner implements itself (0.10 - 0.32). vLLM 0.32 still lists
-# "mlp_speculator" among its methods, but no V1 runner branch drafts with it.
-NATIVE_V1 = ("medusa",)
 
 _ALIASES = (("spec_method", "method"), ("spec_model", "model"), ("spec_tokens", "num_speculative_tokens"))
 
@@ -62,15 +59,6 @@ def num_heads(cfg: dict) -> int:
     return int(cfg["n_predict"] if cfg["model_type"] == "mlp_speculator" else cfg["num_heads"])
 
 
-def native_methods() -> set[str]:
-    """The speculative methods this vLLM's config accepts (nested Literals are flattened)."""
-    from typing import get_args
-
-    from vllm.config.speculative import SpeculativeMethod
-
-    return set(get_args(SpeculativeMethod))
-
-
 def route_export(engine_args, target_model_config=None) -> bool:
     """Rewrite `engine_args` in place if its speculative model is one of our exports; True if it did."""
     spec = getattr(engine_args, "speculative_config", None)
@@ -84,14 +72,16 @@ def route_export(engine_args, target_model_config=None) -> bool:
         return False
     kind = cfg["model_type"]
     method = spec.get("method", aliases["method"])
-    if method == kind and kind in NATIVE_V1 and kind in native_methods():
-        # The user asked for vLLM's own implementation of this format (Medusa on vLLM <= 0.32).
-        logger.info("speculators: %s is a %s export; vLLM runs it natively (method=%r)", model, kind, method)
-        return False
     if method not in (None, "custom_class", kind):
         return False  # an explicit other method (e.g. draft_model) is the user's call; vLLM reports on it
+    version = versions.vllm_version()  # looked up at call time, so a test can set it
+    if kind in native_kinds(version) and (method == kind or not plugin_runs_on(version)):
+        # vLLM's own classes load this format: asked for by name (Medusa on vLLM <= 0.32), or on a vLLM
+        # the plugin does not run on (V0's MLPSpeculator and Medusa up to 0.9, Medusa up to 0.31).
+        logger.info("speculators: %s is a %s export; vLLM %s runs it natively", model, kind, version)
+        return False
     # Ours to route: on a vLLM we have not checked, stop here with one message.
-    version = check_vllm_version()
+    check_vllm_version()
     # Merge the --spec-* aliases exactly as vLLM would (it refuses a key given both ways).
     for attr, key in _ALIASES:
         value = aliases[key]
@@ -155,12 +145,12 @@ def install_config_hook() -> None:
         from vllm.engine.arg_utils import EngineArgs
     except ImportError:  # pragma: no cover - not a vLLM we know
         logger.warning("speculators: vllm.engine.arg_utils.EngineArgs not found (vLLM %s); plugin inactive",
-                       vllm_version())
+                       versions.vllm_version())
         return
     orig = getattr(EngineArgs, "create_speculative_config", None)
     if orig is None:
         logger.warning("speculators: EngineArgs.create_speculative_config not found (vLLM %s); plugin inactive",
-                       vllm_version())
+                       versions.vllm_version())
         return
     if getattr(orig, "_speculators_hook", False):
         return

@@ -99,6 +99,25 @@ def test_route_leaves_everything_else_alone(export_dir, version):
         routing.route_export(engine_args(speculative_config={"model": str(export_dir)}))
 
 
+@pytest.mark.parametrize("v", ["0.8.5.post2", "0.9.2", "0.20.2", "0.31.0"])
+def test_route_leaves_natively_loaded_formats_to_vllm(export_dir, version, v, monkeypatch):
+    """V0 (vLLM <= 0.9) loads both formats with its own classes and V1 up to 0.31 loads Medusa: the
+    plugin stays out of the way there. An MLP export on 0.10 - 0.31 has no loader at all: one message."""
+    version(v)
+    monkeypatch.delenv(plugin.ALLOW_UNTESTED_ENV, raising=False)
+    kind = json.loads((export_dir / "config.json").read_text())["model_type"]
+    for spec in ({"model": str(export_dir), "num_speculative_tokens": 3},
+                 {"method": kind, "model": str(export_dir), "num_speculative_tokens": 3}):
+        args = engine_args(speculative_config=dict(spec))
+        if kind in plugin.native_kinds(v):
+            assert routing.route_export(args) is False and args.speculative_config == spec
+        else:
+            with pytest.raises(plugin.UnsupportedVLLMVersion, match=rf"vLLM {v}, whose own loaders take only medusa"):
+                routing.route_export(args)
+    assert plugin.native_kinds(v) == (("mlp_speculator", "medusa") if v.startswith("0.8") or v.startswith("0.9")
+                                      else ("medusa",))
+
+
 def test_route_hybrid_setting(export_dir, version):
     """The export's speculators_hybrid.enabled decides; additional_config={"speculators": {"hybrid": b}}
     overrides it; anything else under that key is refused with one message."""
