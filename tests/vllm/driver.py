@@ -45,22 +45,27 @@ def delta(after: dict, before: dict) -> dict:
 def plugin_state() -> dict:
     """Whether our plugin touched vLLM in this process (it must not, unless an export is involved)."""
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        runner_hook = bool(getattr(GPUModelRunner.propose_draft_token_ids, "_speculators_hook", False))
+    except (ImportError, AttributeError):  # a vLLM whose runner the plugin never hooks (V0, <= 0.31)
+        runner_hook = False
     return {"config_hook": bool(getattr(EngineArgs.create_speculative_config, "_speculators_hook", False)),
-            "runner_hook": bool(getattr(GPUModelRunner.propose_draft_token_ids, "_speculators_hook", False))}
+            "runner_hook": runner_hook}
 
 
-def run_case(spec: dict, case: dict) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def engine_kwargs(spec: dict, case: dict) -> dict:
+    """LLM(...) arguments for this case, limited to those this vLLM knows (the KV-cache size and the
+    per-request metrics are vLLM >= 0.32; older CPU builds size the cache from VLLM_CPU_KVCACHE_SPACE)."""
+    from vllm.engine.arg_utils import EngineArgs
 
     in_process = case.get("in_process", True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     kwargs = dict(model=spec["target"], dtype=spec.get("dtype", "float32"), seed=0, enforce_eager=True,
                   max_model_len=spec.get("max_model_len", 1024), disable_log_stats=False,
                   kv_cache_memory_bytes=spec.get("kv_cache_bytes", 1 << 30), enable_prefix_caching=False)
-    if in_process:
+    if in_process and os.environ.get("VLLM_USE_V1") != "0":  # V0 on CPU always runs its own executor
         kwargs["distributed_executor_backend"] = "uni"
     if case.get("additional_config") is not None:
         kwargs["additional_config"] = dict(case["additional_config"])
@@ -68,13 +73,55 @@ def run_case(spec: dict, case: dict) -> dict:
         kwargs["speculative_config"] = dict(case["speculative_config"])
         # Per-request acceptance (vLLM >= 0.32): every verify step's accepted count, per prompt.
         kwargs["per_request_spec_decode_metrics"] = "detailed"
+    known = EngineArgs.__dataclass_fields__
+    if "kv_cache_memory_bytes" not in known:  # GiB, read by the CPU worker
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kwargs["kv_cache_memory_bytes"] >> 30)))
+    return {k: v for k, v in kwargs.items() if k in known}
+
+
+def backport_v0_cpu_fixes() -> None:
+    """vLLM 0.9's two fixes to V0 speculative decoding, applied to vLLM 0.8 in this process (the
+    version matrix runs each 0.8 case without them first, which records the failures):
+    - every 5 s its metrics collector copies the sampler's counters on a CUDA stream
+      (vllm/spec_decode/metrics.py: torch.cuda.current_stream), which a CPU has not; 0.9 asks the
+      platform. Here the collector never starts a copy: this driver reads the counters directly.
+    - MultiStepWorker asks for the sampler's probabilities on the runner's sampler only, not on a
+      model's own (MLPSpeculator's), which then returns none (vllm/spec_decode/multi_step_worker.py)."""
+    from vllm.spec_decode import metrics, multi_step_worker
+
+    metrics.AsyncMetricsCollector.__init__.__defaults__ = (None, float("inf"))
+    worker = multi_step_worker.MultiStepWorker
+
+    def also_the_models(name):
+        runner_only = getattr(worker, name)
+
+        def method(self):
+            runner_only(self)
+            if hasattr(self.model_runner.model, "sampler"):
+                setattr(self.model_runner.model.sampler, flag, True)
+
+        flag = {"set_include_gpu_probs_tensor": "include_gpu_probs_tensor",
+                "set_should_modify_greedy_probs_inplace": "should_modify_greedy_probs_inplace"}[name]
+        setattr(worker, name, method)
+
+    also_the_models("set_include_gpu_probs_tensor")
+    also_the_models("set_should_modify_greedy_probs_inplace")
+
+
+def run_case(spec: dict, case: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if case.get("backport_v0_cpu_fixes"):
+        backport_v0_cpu_fixes()
+    kwargs = engine_kwargs(spec, case)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
     sc = llm.llm_engine.vllm_config.speculative_config
     result = {"name": case["name"], "method": getattr(sc, "method", None),
               "num_speculative_tokens": getattr(sc, "num_speculative_tokens", None),
-              "additional_config": llm.llm_engine.vllm_config.additional_config, "startup_s": startup}
+              "additional_config": getattr(llm.llm_engine.vllm_config, "additional_config", None), "startup_s": startup}
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=spec.get("ignore_eos", False))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     bs = case.get("batch_size") or spec.get("batch_size") or len(prompts)
@@ -93,7 +140,8 @@ def run_case(spec: dict, case: dict) -> dict:
                                                        "drafted": list(m.per_step_drafted)})
     result.update(outputs=outputs, spec=delta(spec_decode_metrics(llm), before), per_request=per_request,
                   generate_s=gen_s, tokens=n_tokens, plugin=plugin_state())
-    llm.llm_engine.engine_core.shutdown()
+    if hasattr(llm.llm_engine, "engine_core"):  # V1; V0 frees its engine with the object
+        llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
     return result

@@ -78,6 +78,8 @@ def build_draft_model(target_dir: Path, out: Path, keep: tuple[int, ...] = DRAFT
     from torch import nn
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from speculators.draft import DraftModel
+
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     layers = model.model.layers
     model.model.layers = nn.ModuleList(layers[i] for i in keep)
@@ -86,8 +88,7 @@ def build_draft_model(target_dir: Path, out: Path, keep: tuple[int, ...] = DRAFT
     model.config.num_hidden_layers = len(keep)
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = [model.config.layer_types[i] for i in keep]
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(target_dir).save_pretrained(out)
+    DraftModel(model, AutoTokenizer.from_pretrained(target_dir)).save_pretrained(out)  # as `speculators export` writes it
     return out
 
 
