@@ -142,9 +142,6 @@ def main(argv=None) -> None:
     k = args.k
     heads_only, hybrid = {"speculators": {"hybrid": False}}, {"speculators": {"hybrid": True}}
     configs = [("plain", None, None)]
-    if args.ngram:
-        configs.append(("ngram", {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 4}, None))
     if args.suffix:
         configs.append(("suffix", {"method": "suffix", "num_speculative_tokens": k}, None))
     for kind, path in (("mlp_speculator", args.mlp), ("medusa", args.medusa)):
@@ -159,6 +156,9 @@ def main(argv=None) -> None:
     if args.draft:
         configs.append(("draft_model", {"method": "draft_model", "model": str(Path(args.draft).resolve()),
                                         "num_speculative_tokens": k}, None))
+    if args.ngram:  # last: once its numba kernels loaded llvmlite, a later in-process engine fails to start
+        configs.append(("ngram", {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 4}, None))
     import vllm
 
     print(f"vLLM {vllm.__version__}, {args.dtype}, {args.threads} thread(s), {args.num_prompts} prompts of "
