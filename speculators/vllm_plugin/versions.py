@@ -23,7 +23,7 @@ def vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
-def _minor(version: str) -> tuple[int, int] | None:
+def minor_version(version: str) -> tuple[int, int] | None:
     parts = version.split("+")[0].split(".")
     try:
         return int(parts[0]), int(parts[1])
@@ -38,7 +38,7 @@ def native_kinds(version: str) -> tuple[str, ...]:
     run V1 only, which kept Medusa but drafts nothing for mlp_speculator; 0.33 removed Medusa too.
     Measured by scripts/vllm_matrix.sh.
     """
-    minor = _minor(version)
+    minor = minor_version(version)
     if minor is None:
         return ()
     if minor < (0, 10):
@@ -49,7 +49,7 @@ def native_kinds(version: str) -> tuple[str, ...]:
 
 
 def plugin_runs_on(version: str) -> bool:
-    return _minor(version) in TESTED_VERSIONS + SOURCE_CHECKED_VERSIONS or os.environ.get(
+    return minor_version(version) in TESTED_VERSIONS + SOURCE_CHECKED_VERSIONS or os.environ.get(
         ALLOW_UNTESTED_ENV, "") not in ("", "0", "false", "False")
 
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from vllm_harness import DRIVER, HEADS_ONLY, K, MAX_TOKENS, N_PROMPTS, ROOT, build_draft_model, train_export  # noqa: E402
 
 from speculators.draft import add_transformers4_keys  # noqa: E402
-from speculators.vllm_plugin.versions import native_kinds, plugin_runs_on  # noqa: E402
+from speculators.vllm_plugin.versions import minor_version, native_kinds, plugin_runs_on  # noqa: E402
 
 KINDS = ("draft_model", "medusa", "mlp_speculator")
 # vLLM's own refusals and bugs (pattern of the error, short label, where it comes from); a case failing
@@ -149,7 +149,7 @@ def version_cases(version: str, paths: dict) -> list[dict]:
         if kind != "draft_model" and plugin_runs_on(version):  # no method given: the plugin routes both
             case["additional_config"] = HEADS_ONLY  # our plugin serves it; compare the heads alone
         cases.append(case)
-    if tuple(int(x) for x in version.split(".")[:2]) in NEEDS_V09_FIXES:
+    if minor_version(version) in NEEDS_V09_FIXES:
         cases += [{**c, "name": f"{c['name']} +0.9 fixes", "backport_v0_cpu_fixes": True} for c in cases[1:]]
     return cases
 
@@ -164,7 +164,7 @@ def run_driver(python: Path, version: str, spec: dict, case: dict, work: Path, t
     # multi-process executor, which CPU builds up to 0.31 use even when asked for "uni").
     env.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
-    if tuple(int(x) for x in version.split(".")[:2]) < (0, 10):
+    if minor_version(version) < (0, 10):
         env["VLLM_USE_V1"] = "0"  # the V0 engine, where MLPSpeculator and Medusa live
     out_path.unlink(missing_ok=True)
     with open(log_path, "w") as log:
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
         hf4 = int(info["transformers"].split(".")[0]) < 5
         spec = {"target": str(paths["target_hf4" if hf4 else "target"]), "dtype": "float32",
                 "max_tokens": MAX_TOKENS, "prompts": ids}
-        engine = "V0 (VLLM_USE_V1=0)" if tuple(int(x) for x in version.split(".")[:2]) < (0, 10) else "V1"
+        engine = "V0 (VLLM_USE_V1=0)" if minor_version(version) < (0, 10) else "V1"
         rows = []
         for case in version_cases(version, paths):
             t1 = time.perf_counter()

@@ -4,7 +4,7 @@ The main venv has no vLLM: every vLLM run is `tests/vllm/driver.py` under the vL
 (`.venv-vllm`, made by `scripts/setup_vllm.sh`; override with VLLM_VENV). Without it the tests skip,
 unless CI is set, where a missing vLLM venv fails them.
 
-The session-scoped fixtures, each built once for the whole suite:
+The fixtures, each built once per test run:
 - `vllm_python`: the vLLM venv's interpreter (skip / fail before anything expensive runs);
 - `e2e`: a 4-layer draft model cut from the target (DRAFT_LAYERS with its embeddings, final norm and
   tied lm head); then two subprocesses start at once: the vLLM driver (every vLLM case, one after the
@@ -94,8 +94,9 @@ def build_draft_model(target_dir: Path, out: Path, keep: tuple[int, ...] = DRAFT
 
 def native_medusa(version: str) -> bool:
     """vLLM 0.10 - 0.32 run Medusa themselves; 0.33 removed it."""
-    major, minor = (int(x) for x in version.split(".")[:2])
-    return (major, minor) <= (0, 32)
+    from speculators.vllm_plugin.versions import native_kinds
+
+    return "medusa" in native_kinds(version)
 
 
 HEADS_ONLY = {"speculators": {"hybrid": False}}  # the exports' default is the hybrid
