@@ -48,6 +48,8 @@ class StageData:
         # dataset stages read these rows: the data set's, with the target's hidden states when cache_hidden
         self.rows = (cache_target_hidden(target, dataset, cfg.micro_batch_size, acc.device, acc.is_main_process)
                      if cfg.cache_hidden else dataset)
+        if cfg.cache_hidden and all(s.data == "dataset" and not s.onpolicy_fraction for s in cfg.stages):
+            target.release_layers()  # nothing runs the target again: its memory goes to the training state
         self._data_idx, self._data = -1, None  # the current stage's index and rows
         self._prompts_idx, self._prompts = None, None  # the on-policy stage's index and prompts
         self._vllm = None  # the on-policy draft's vLLM engine, started at its first use

@@ -83,6 +83,22 @@ def test_cached_hidden_states_give_the_same_training(tmp_path, tiny_target_dir, 
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4)
 
 
+def test_cached_run_frees_the_target_layers(tmp_path, tiny_target_dir, chat_file, isolated_cache):
+    """A cache_hidden run whose stages all read the data set frees the target's decoder layers after
+    caching, trains from the cache alone, and refuses a later target forward in one line."""
+    from speculators.config import load_config
+    from speculators.trainer import Trainer
+
+    trainer = Trainer(load_config(None, overrides(tiny_target_dir, chat_file, tmp_path / "run", steps=2,
+                                                  cache_hidden=True)))
+    layers = trainer.target.decoder_layers()
+    assert layers and all(p.is_meta for layer in layers for p in layer.parameters())
+    assert not trainer.target.lm_head.weight.is_meta
+    assert (trainer.train() / "config.json").exists()
+    with pytest.raises(RuntimeError, match="released after caching"):
+        trainer.target(torch.tensor([[1, 2, 3]]))
+
+
 def test_regression_init_learns_with_the_target_head_frozen(tmp_path, tiny_target_dir, chat_file, isolated_cache):
     out = tmp_path / "run"
     train_in_process(overrides(tiny_target_dir, chat_file, out, steps=8, init="regression", scale_input=False,
