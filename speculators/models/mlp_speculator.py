@@ -222,12 +222,16 @@ class MLPSpeculator(SpeculatorModel):
             self.proj[0].weight.copy_(torch.cat([A, -A]))
             for proj in self.proj[1:]:
                 proj.weight.copy_(torch.cat([torch.cat([A, -A], 1), torch.cat([-A, A], 1)]))
+            # In place, half by half: [V, 2D] temporaries would be GBs for a 151,936-token vocabulary.
             for emb in self.emb:  # forward() scales embeddings by emb_weight / state_weight
-                emb.weight.copy_(torch.cat([token_vectors, -token_vectors], 1) * (self.state_weight / self.emb_weight))
+                half = emb.weight[:, :D].copy_(token_vectors).mul_(self.state_weight / self.emb_weight)
+                emb.weight[:, D:].copy_(half).neg_()
             for ln in self.ln:
                 ln.weight.fill_(scale)
                 ln.bias.zero_()
-            self.head_weight.copy_(torch.cat([lm_head, -lm_head], 1).expand_as(self.head_weight))
+            for head in self.head_weight:
+                head[:, :D].copy_(lm_head)
+                head[:, D:].copy_(lm_head).neg_()
 
     # vLLM names: emb.{i}.weight, proj.{i}.weight, ln.{i}.weight/bias, head.{i}.weight
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
