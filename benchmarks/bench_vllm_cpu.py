@@ -11,8 +11,9 @@ is loaded the way a user would load it: our exports as `speculative_config={"mod
         [--medusa runs/y/export] [--draft DIR] [--k 3] [--data mt-bench humaneval] [--num-prompts 20] \
         [--max-tokens 128] [--batch-sizes 1 8] [--threads 2]
 
-For each configuration one engine is started (one at a time), warmed up on one prompt, then timed on
-each data set at each batch size: batch B sends the prompts B at a time, one `generate()` call per
+For each configuration one engine is started (one at a time; suffix and the hybrid get one per batch
+size, since they also search finished requests' outputs), warmed up on a prompt outside the sets, then
+timed on each data set at each batch size: batch B sends the prompts B at a time, one `generate()` call per
 group. Reported per configuration, set and batch size: output tokens/s, vLLM's mean acceptance length
 (1 + accepted / drafts, from its spec-decode counters over the timed calls), per-position acceptance,
 the speedup over the plain run at the same set and batch size measured in this same run, and whether
@@ -60,7 +61,7 @@ def parse_args(argv=None):
 
 
 def run_config(args, name: str, speculative_config: dict | None, additional_config: dict | None,
-               sets: dict[str, list[list[int]]]) -> dict:
+               sets: dict[str, list[list[int]]], batch_sizes: list[int], warmup: list[int]) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -86,12 +87,12 @@ def run_config(args, name: str, speculative_config: dict | None, additional_conf
     result.update(startup_s=time.perf_counter() - t0,
                   method=getattr(llm.llm_engine.vllm_config.speculative_config, "method", None))
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    first = next(iter(sets.values()))
-    llm.generate([TokensPrompt(prompt_token_ids=first[0])], SamplingParams(temperature=0.0, max_tokens=16),
-                 use_tqdm=False)  # warm-up
+    # warm-up on a prompt outside the sets: lookups that remember finished outputs must not see a timed one
+    llm.generate([TokensPrompt(prompt_token_ids=warmup)], SamplingParams(temperature=0.0, max_tokens=16),
+                 use_tqdm=False)
     for data, prompts in sets.items():
         tp = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        for bs in args.batch_sizes:
+        for bs in batch_sizes:
             result["batches"][f"{data} {bs}"] = run_batches(llm, tp, bs, sp, f"{name:>14} {data} batch {bs}")
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -140,6 +141,7 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(args.target)
     sets = {data: [chat_ids(tok, m) for m in eval_prompts(data, args.num_prompts)] for data in args.data}
     k = args.k
+    warmup = chat_ids(tok, [{"role": "user", "content": "Say hello."}])
     heads_only, hybrid = {"speculators": {"hybrid": False}}, {"speculators": {"hybrid": True}}
     configs = [("plain", None, None)]
     if args.suffix:
@@ -163,7 +165,17 @@ def main(argv=None) -> None:
 
     print(f"vLLM {vllm.__version__}, {args.dtype}, {args.threads} thread(s), {args.num_prompts} prompts of "
           f"{' and '.join(sets)}, {args.max_tokens} new tokens, k={k}, greedy", flush=True)
-    results = [run_config(args, name, sc, ac, sets) for name, sc, ac in configs]
+    results = []
+    for name, sc, ac in configs:
+        # Suffix decoding and the hybrid also search the outputs of finished requests, which would hold
+        # another batch size's answers to the same prompts: a fresh engine for each batch size.
+        remembers = name == "suffix" or name.startswith("hybrid")
+        runs = [run_config(args, name, sc, ac, sets, [bs], warmup) for bs in args.batch_sizes] if remembers \
+            else [run_config(args, name, sc, ac, sets, args.batch_sizes, warmup)]
+        result = runs[0]
+        for later in runs[1:]:
+            result["batches"].update(later["batches"])
+        results.append(result)
     plain = results[0]["batches"]
     print()
     print(f"{'proposer':>22} | {'set':>10} | {'batch':>5} | {'tok/s':>7} | {'speedup':>7} | {'mean acc. len':>13} | "
