@@ -248,6 +248,12 @@ class Target(nn.Module):
         head: a cache_hidden run whose stages all read the data set needs nothing else once it has cached."""
         for layer in self.decoder_layers():
             layer.to("meta")
+        # A checkpoint stored in the target's dtype loads as views of the memory-mapped file, which stays
+        # mapped (and resident) while any view lives: own copies of the kept tensors let it go.
+        with torch.no_grad():
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                if not tensor.is_meta:
+                    tensor.data = tensor.data.clone()
         self.layers_released = True
 
     def layer_parameters(self) -> tuple[int, int]:
