@@ -143,33 +143,33 @@ def main(argv=None) -> None:
     k = args.k
     warmup = chat_ids(tok, [{"role": "user", "content": "Say hello."}])
     heads_only, hybrid = {"speculators": {"hybrid": False}}, {"speculators": {"hybrid": True}}
-    configs = [("plain", None, None)]
+    # (name, speculative_config, additional_config, remembers): suffix decoding and the hybrid also search the
+    # outputs of finished requests, which would hold another batch size's answers to the same prompts, so
+    # they get a fresh engine for each batch size.
+    configs = [("plain", None, None, False)]
     if args.suffix:
-        configs.append(("suffix", {"method": "suffix", "num_speculative_tokens": k}, None))
+        configs.append(("suffix", {"method": "suffix", "num_speculative_tokens": k}, None, True))
     for kind, path in (("mlp_speculator", args.mlp), ("medusa", args.medusa)):
         if path:
             spec = {"model": str(Path(path).resolve()), "num_speculative_tokens": k}
-            configs.append((kind, spec, heads_only))
+            configs.append((kind, spec, heads_only, False))
             if args.hybrid:
-                configs.append((f"hybrid-{kind}", spec, hybrid))
+                configs.append((f"hybrid-{kind}", spec, hybrid, True))
     if args.medusa and args.medusa_native:
         configs.append(("medusa_native", {"method": "medusa", "model": str(Path(args.medusa).resolve()),
-                                          "num_speculative_tokens": k}, None))
+                                          "num_speculative_tokens": k}, None, False))
     if args.draft:
         configs.append(("draft_model", {"method": "draft_model", "model": str(Path(args.draft).resolve()),
-                                        "num_speculative_tokens": k}, None))
+                                        "num_speculative_tokens": k}, None, False))
     if args.ngram:  # last: once its numba kernels loaded llvmlite, a later in-process engine fails to start
         configs.append(("ngram", {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 4}, None))
+                                  "prompt_lookup_max": 4}, None, False))
     import vllm
 
     print(f"vLLM {vllm.__version__}, {args.dtype}, {args.threads} thread(s), {args.num_prompts} prompts of "
           f"{' and '.join(sets)}, {args.max_tokens} new tokens, k={k}, greedy", flush=True)
     results = []
-    for name, sc, ac in configs:
-        # Suffix decoding and the hybrid also search the outputs of finished requests, which would hold
-        # another batch size's answers to the same prompts: a fresh engine for each batch size.
-        remembers = name == "suffix" or name.startswith("hybrid")
+    for name, sc, ac, remembers in configs:
         runs = [run_config(args, name, sc, ac, sets, [bs], warmup) for bs in args.batch_sizes] if remembers \
             else [run_config(args, name, sc, ac, sets, args.batch_sizes, warmup)]
         result = runs[0]
