@@ -3,6 +3,7 @@ conversation file, and the real default target for the slower end-to-end tests."
 
 import json
 import os
+import shutil
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -46,6 +47,15 @@ def tiny_target_dir(tmp_path_factory):
     from speculators.assets import default_target_dir
 
     return make_tiny_target(tmp_path_factory.mktemp("tiny-target"), default_target_dir())
+
+
+@pytest.fixture(scope="module")
+def module_dir(tmp_path_factory, request):
+    """Scratch space for one module's fixtures, deleted when the module ends: their checkpoints (GBs in
+    test_checkpoint_faults) would otherwise stay on disk until the whole session ends."""
+    path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 CONVERSATIONS = [

@@ -59,14 +59,15 @@ def set_dtype(weights: Path, tensor: str, dtype: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory, tiny_target_dir, chat_file):
+def inputs(module_dir, tiny_target_dir, chat_file):
     """Every input the cases read, made once: checkpoints (good and damaged), data files, a masked-LM
     model, a training run. No case may change any of it."""
     from transformers import BertConfig, BertForMaskedLM
 
     from speculators.export.vllm_format import load_speculator
 
-    root = tmp_path_factory.mktemp("inputs")
+    root = module_dir / "inputs"
+    root.mkdir()
     target = str(tiny_target_dir)
     f = SimpleNamespace(root=root, target=target, chats=str(chat_file))
     f.ckpt = save_mlp(root / "ckpt", target)

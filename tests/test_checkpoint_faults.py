@@ -170,15 +170,17 @@ def _history(run_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_target_dir, chat_file):
+def runs(module_dir, tiny_target_dir, chat_file):
     """An uninterrupted run's weights and history, and for each case a run directory killed at its
     stages."""
     from speculators import assets
 
-    cache = tmp_path_factory.mktemp("cache")  # as the isolated_cache fixture, for the whole module
+    cache = module_dir / "cache"  # as the isolated_cache fixture, for the whole module
+    cache.mkdir()
     for name in ("models", "assets", "wheels"):
         (cache / name).symlink_to(assets.cache_dir() / name)
-    root = tmp_path_factory.mktemp("runs")
+    root = module_dir / "runs"
+    root.mkdir()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECULATORS_CACHE", str(cache))
 
