@@ -170,8 +170,8 @@ def main(argv=None) -> None:
           f"{' and '.join(sets)}, {args.max_tokens} new tokens, k={k}, greedy", flush=True)
     results = []
     for name, sc, ac, remembers in configs:
-        runs = [run_config(args, name, sc, ac, sets, [bs], warmup) for bs in args.batch_sizes] if remembers \
-            else [run_config(args, name, sc, ac, sets, args.batch_sizes, warmup)]
+        groups = [[bs] for bs in args.batch_sizes] if remembers else [args.batch_sizes]
+        runs = [run_config(args, name, sc, ac, sets, group, warmup) for group in groups]
         result = runs[0]
         for later in runs[1:]:
             result["batches"].update(later["batches"])

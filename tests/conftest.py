@@ -51,8 +51,8 @@ def tiny_target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def module_dir(tmp_path_factory, request):
-    """Scratch space for one module's fixtures, deleted when the module ends: their checkpoints (GBs in
-    test_checkpoint_faults) would otherwise stay on disk until the whole session ends."""
+    """Scratch space for one module's fixtures, deleted when the module ends, so their checkpoints (GBs in
+    test_checkpoint_faults) never pile up on disk across the suite."""
     path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
     yield path
     shutil.rmtree(path, ignore_errors=True)
